@@ -1,0 +1,115 @@
+"""Shared helpers for benchmarks: machine description, JSON result files, PNG bar charts.
+
+Every benchmark writes ``bench/results/<name>.json`` with the keys ``machine``, ``config``,
+``results`` and a flat ``ratios`` object (name -> number; higher is better unless the
+name says otherwise), plus a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict[str, Any]:
+    """Describe the machine the benchmark ran on (printed and stored in the JSON)."""
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        info["torch"] = None
+    return info
+
+
+def print_machine(info: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    info = dict(info or machine_info())
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    return info
+
+
+def write_results(
+    name: str,
+    *,
+    machine: Mapping[str, Any],
+    config: Mapping[str, Any],
+    results: Any,
+    ratios: Mapping[str, float | None],
+    notes: Sequence[str] = (),
+    out_dir: Path | str | None = None,
+) -> Path:
+    """Write ``<out_dir>/<name>.json`` in the project's benchmark convention and return its path."""
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    doc = {
+        "machine": dict(machine),
+        "config": dict(config),
+        "results": results,
+        "ratios": {k: (None if v is None else float(v)) for k, v in ratios.items()},
+        "notes": list(notes),
+    }
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    print(f"wrote {path}")
+    for k, v in doc["ratios"].items():
+        print(f"  ratio {k} = {v if v is None else round(v, 3)}")
+    return path
+
+
+def bar_chart(
+    path: Path | str,
+    labels: Sequence[str],
+    values: Sequence[float],
+    *,
+    title: str,
+    ylabel: str,
+    annotate: bool = True,
+) -> Path:
+    """Save a simple labelled bar chart (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 4))
+    bars = ax.bar(range(len(labels)), values, color="tab:blue")
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if annotate:
+        for b, v in zip(bars, values):
+            ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    print(f"wrote {p}")
+    return p

@@ -1,0 +1,1 @@
+"""Per-node cache daemon (ingest ahead of jobs). Thin for now: see `datacache warm`."""

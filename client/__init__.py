@@ -1,0 +1,1 @@
+"""Training-side read path: CachedImageNet, batched fetch, batched augmentation."""

@@ -1,0 +1,78 @@
+"""Run a function on N real gloo ranks (loopback) the way torchrun would set them up.
+
+``run_distributed(fn, world_size=4, local_size=2, args=(...))`` spawns ``world_size``
+processes, sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), initialises the default gloo process group, calls
+``fn(rank, world_size, *args)`` and returns the list of per-rank return values (which must
+be picklable). An exception on any rank is re-raised in the parent with its traceback.
+``fn`` must be a module-level function (spawn pickles it by reference).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, local_size: int, port: int, fn: Callable[..., Any],
+            args: Sequence[Any], queue: Any) -> None:
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % local_size), "LOCAL_WORLD_SIZE": str(local_size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+    })
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, never hang it
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 4, local_size: int = 2,
+                    args: Sequence[Any] = (), timeout: float = 240.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, local_size, port, fn, tuple(args), queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

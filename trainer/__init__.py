@@ -1,0 +1,1 @@
+"""Training-side stack: sparse/hierarchical gradient communication (comm/) and optimizers (optim/)."""

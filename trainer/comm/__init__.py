@@ -1,0 +1,1 @@
+"""Gradient communication: top-k selectors, error feedback, collectives and DDP comm hooks."""

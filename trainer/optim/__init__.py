@@ -1,0 +1,1 @@
+"""Layer-wise adaptive optimizers (LARS, LAMB) with optional PTO trust-ratio sharding."""
