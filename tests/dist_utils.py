@@ -5,13 +5,17 @@ processes, sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WO
 MASTER_ADDR, MASTER_PORT), initialises the default gloo process group, calls
 ``fn(rank, world_size, *args)`` and returns the list of per-rank return values (which must
 be picklable). An exception on any rank is re-raised in the parent with its traceback.
-``fn`` must be a module-level function (spawn pickles it by reference).
+``fn`` must be a module-level function (spawn pickles it by reference). Return plain Python
+or numpy values, not torch tensors: torch's multiprocessing queue shares tensors through
+handles that die with the child process (``to_plain`` converts nested results).
 """
 
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +28,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def to_plain(obj: Any) -> Any:
+    """Convert torch tensors (also nested in lists/tuples/dicts) to numpy arrays for the result queue."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_plain(v) for v in obj)
+    return obj
 
 
 def _worker(rank: int, world_size: int, local_size: int, port: int, fn: Callable[..., Any],
@@ -40,7 +57,7 @@ def _worker(rank: int, world_size: int, local_size: int, port: int, fn: Callable
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        queue.put((rank, True, to_plain(out)))
     except BaseException:  # report every failure to the parent, never hang it
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -59,14 +76,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 4, local_size: int
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                # A child that died before reporting (import error, crash) would otherwise
+                # make us wait for the whole timeout.
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    errors.append(f"rank(s) {dead} exited with codes {[procs[i].exitcode for i in dead]}"
+                                  " before reporting a result")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:.0f} s waiting for ranks")
+                continue
             if ok:
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 30)

@@ -1,0 +1,167 @@
+"""``slowfile://``: local files behind real per-request latency and a bandwidth cap.
+
+Real NFS cannot be mounted on the development machines (no kernel module), so this is the
+documented NFS / object-store stand-in for tests and benchmarks: a subclass of fsspec's
+``LocalFileSystem`` whose every *request* — ``info``/``ls``/``exists`` metadata calls and
+each ``open`` — first sleeps ``latency_ms`` milliseconds, and whose data transfer is paced
+to ``mbps`` megabytes per second shared by all threads of the process (a link: each read
+reserves ``nbytes / rate`` seconds of link time after the reads queued before it and
+sleeps until its slot ends). The sleeps are real, so concurrent readers overlap their
+latencies like concurrent NFS RPCs do, but not their bandwidth. The cap is per process
+(DataLoader workers each get their own link). It is not a simulator of NFS caching or of
+close-to-open consistency.
+
+Options come from ``storage_options`` or the URL query string::
+
+    fsspec.filesystem("slowfile", latency_ms=2, mbps=200)
+    fsspec.open("slowfile:///data/train/a/1.JPEG?latency_ms=2&mbps=200")
+    fsspec.open("simplecache::slowfile:///data/x.jpg", slowfile={"latency_ms": 5})
+
+Every request is counted in :data:`COUNTERS` (per process: ``requests``, ``opens``,
+``bytes``) so tests can show that a T1 (``simplecache::``) hit makes no request at all
+without asserting on time. Importing :mod:`datacache.slowfs` registers the protocol; it is
+also imported by :mod:`datacache.source`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import fsspec
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
+COUNTERS: dict[str, int] = {"requests": 0, "opens": 0, "bytes": 0}
+_lock = threading.Lock()
+
+
+def reset_counters() -> None:
+    with _lock:
+        for k in COUNTERS:
+            COUNTERS[k] = 0
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _lock:
+        COUNTERS[key] += n
+        if key != "requests" and key != "bytes":
+            COUNTERS["requests"] += n
+
+
+class SlowFileSystem(LocalFileSystem):
+    """Local filesystem with ``latency_ms`` per request and a ``mbps`` (MB/s) link cap per process."""
+
+    protocol = ("slowfile",)
+    root_marker = "/"
+
+    def __init__(self, latency_ms: float = 2.0, mbps: float | None = 200.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.latency_s = float(latency_ms) / 1000.0
+        self.bytes_per_s = float(mbps) * 1e6 if mbps else None
+        self._link_lock = threading.Lock()
+        self._link_free_at = 0.0  # monotonic time at which the shared link is idle again
+
+    # -- URL handling: strip "slowfile://" and the query string
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        if path.startswith("slowfile://"):
+            path = path[len("slowfile://"):]
+        elif path.startswith("slowfile:"):
+            path = path[len("slowfile:"):]
+        path = path.split("?", 1)[0]
+        return LocalFileSystem._strip_protocol(path)
+
+    @staticmethod
+    def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
+        query = urlsplit(path).query if "?" in path else ""
+        out: dict[str, Any] = {}
+        for k, v in parse_qsl(query):
+            if k in ("latency_ms", "mbps"):
+                out[k] = float(v)
+        return out
+
+    def unstrip_protocol(self, name: str) -> str:
+        """``slowfile://<path>?latency_ms=..&mbps=..``: the URL keeps this instance's options, so a
+        manifest root handed to a :class:`~datacache.source.Source` reads at the same speed."""
+        mbps = self.bytes_per_s / 1e6 if self.bytes_per_s else 0
+        return f"slowfile://{self._strip_protocol(name)}?latency_ms={self.latency_s * 1000:g}&mbps={mbps:g}"
+
+    # -- the costs
+    def _wait(self) -> None:
+        _count("requests")
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+
+    def _transfer(self, nbytes: int) -> None:
+        _count("bytes", nbytes)
+        if self.bytes_per_s and nbytes > 0:
+            with self._link_lock:
+                start = max(time.monotonic(), self._link_free_at)
+                self._link_free_at = end = start + nbytes / self.bytes_per_s
+            delay = end - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+    # -- metadata requests
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        self._wait()
+        return super().info(path, **kwargs)
+
+    def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> Any:
+        self._wait()
+        return super().ls(path, detail=detail, **kwargs)
+
+    # -- data requests
+    def _open(self, path: Any, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
+              cache_options: Any = None, **kwargs: Any) -> Any:
+        path = self._strip_protocol(path)
+        if "r" not in mode:
+            return super()._open(path, mode=mode, block_size=block_size, autocommit=autocommit, **kwargs)
+        _count("opens")
+        if self.latency_s > 0:
+            time.sleep(self.latency_s)
+        return _SlowFile(self, path, mode=mode, **kwargs)
+
+    def cat_file(self, path: Any, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        with self._open(path, "rb") as f:
+            if start is not None:
+                f.seek(start if start >= 0 else max(0, f.size + start))
+            n = -1 if end is None else (end if end >= 0 else f.size + end) - (f.tell())
+            return f.read(n)
+
+    def get_file(self, rpath: Any, lpath: Any, **kwargs: Any) -> None:
+        """Download through the throttled reader (LocalFileSystem would copy the file directly)."""
+        if isinstance(lpath, str) and os.path.isdir(lpath):
+            lpath = os.path.join(lpath, os.path.basename(self._strip_protocol(rpath)))
+        with self._open(rpath, "rb") as src, open(lpath, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+
+    def cp_file(self, path1: Any, path2: Any, **kwargs: Any) -> None:
+        self.get_file(path1, self._strip_protocol(path2))
+
+
+class _SlowFile(LocalFileOpener):
+    """A local file whose reads pay the filesystem's bandwidth cap (latency was paid at open)."""
+
+    def __init__(self, sfs: SlowFileSystem, path: str, mode: str = "rb", **kwargs: Any) -> None:
+        super().__init__(path, mode, fs=sfs, **kwargs)
+        self._sfs = sfs
+        self.size = os.path.getsize(path)
+
+    def read(self, n: int = -1) -> bytes:
+        data = super().read(n)
+        self._sfs._transfer(len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        n = super().readinto(b)
+        self._sfs._transfer(n or 0)
+        return n
+
+
+fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)

@@ -1,0 +1,361 @@
+"""Reading original files (T0) through a local raw-bytes disk cache (T1).
+
+Every source is an fsspec URL (``/data/train``, ``file://``, ``slowfile://`` (the NFS
+stand-in, :mod:`datacache.slowfs`), ``s3://``, ``http://`` ...). T1 is fsspec's own
+``simplecache`` over the source filesystem, in ``t1_dir``: its cache layout (one file per
+source path, named by the sha256 of the path) is shared with a plain
+``simplecache::<url>`` opened with the same ``cache_storage``.
+
+Two deliberate deviations from ``simplecache``'s own open():
+
+* **Atomic fills.** simplecache downloads straight into the final cache file, so a
+  concurrent reader (another DataLoader worker) can see half a file and a download
+  interrupted by a crash leaves a truncated file that is then served forever. We look
+  entries up with simplecache's mapping, read misses from the source filesystem
+  ourselves (with retries) and publish them with ``os.replace`` of a temp file.
+* **Size check.** ``read(relpath, expect_size=n)`` (the manifest's size) drops a T1 entry
+  whose length differs, so a source file rewritten with a new size is re-read. A rewrite
+  that keeps the size is not detected by T1 (the manifest fingerprint still changes, so
+  no stale *decoded* sample is served from T2/T3, but T1 returns the old bytes): clear
+  ``t1_dir`` after in-place edits of a dataset.
+
+Local sources skip T1: for ``file://`` copying a file from one local disk to another gains
+nothing and doubles the disk use (``force_t1=True`` overrides; a URL that already chains a
+cache, ``simplecache::...``, is used as given). fsspec's caches have no size cap, so with
+``t1_max_bytes`` the directory is trimmed LRU-by-atime: hits refresh the entry's atime
+explicitly (``relatime`` mounts would not), and after every ~5 % of the cap written the
+directory is scanned and the least recently used entries are removed down to 90 % of the
+cap. Several processes may trim at once; a reader that loses its entry to a trim just
+re-fetches it.
+
+Transient errors (``OSError``/``TimeoutError`` other than not-found, is-a-directory,
+not-a-directory and permission errors; aiohttp client errors other than 4xx) are retried
+``retries`` times with exponential backoff and jitter (``backoff * 2**attempt``). Concurrent
+reads use fsspec's async ``fs.cat(paths, on_error="return")`` when the protocol is async
+(http, s3), a small thread pool otherwise.
+
+Pickling (DataLoader workers, fork *and* spawn): only the configuration travels; the
+filesystem objects and the thread pool are created lazily in each process (pid-checked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+
+import datacache.slowfs  # noqa: F401  (registers the slowfile:// protocol)
+from datacache.config import default_t1_dir
+
+try:
+    import aiohttp
+
+    _AIOHTTP_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
+except ImportError:  # pragma: no cover
+    aiohttp = None  # type: ignore[assignment]
+    _AIOHTTP_ERRORS = ()
+
+_INIT_LOCK = threading.Lock()
+
+
+def _new_init_lock() -> None:  # fork boundary: a lock held by a parent thread would stay held
+    global _INIT_LOCK
+    _INIT_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_init_lock)
+
+_PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+_LOCAL_PROTOCOLS = ("file", "local")
+
+
+class SourceError(Exception):
+    """A file could not be read; ``.path`` names it, ``.cause`` is the underlying error."""
+
+    def __init__(self, path: str, cause: BaseException | str) -> None:
+        self.path = path
+        self.cause = cause
+        super().__init__(f"cannot read {path}: {_advice(cause)}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SourceError, (self.path, self.cause if _picklable(self.cause) else repr(self.cause)))
+
+
+def _picklable(e: Any) -> bool:
+    return isinstance(e, (str, OSError, TimeoutError, ValueError))
+
+
+def _advice(cause: BaseException | str) -> str:
+    if isinstance(cause, str):
+        return cause
+    if isinstance(cause, FileNotFoundError):
+        return ("file does not exist (deleted, moved, or a dangling symlink); restore it or rebuild the "
+                "manifest")
+    if isinstance(cause, IsADirectoryError):
+        return "it is a directory, not a file; rename or remove it"
+    if isinstance(cause, NotADirectoryError):
+        return "a component of the path is not a directory; check the dataset layout"
+    if isinstance(cause, PermissionError):
+        return "permission denied; fix the file permissions or the storage credentials"
+    return f"{type(cause).__name__}: {cause}; check the storage/network health (retried with backoff)"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying ``exc`` can help (see the module docstring)."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    if _AIOHTTP_ERRORS and isinstance(exc, _AIOHTTP_ERRORS):
+        status = getattr(exc, "status", None)
+        return not (isinstance(status, int) and 400 <= status < 500 and status != 429)
+    return isinstance(exc, (OSError, TimeoutError))
+
+
+def normalise_url(url: str) -> str:
+    """Plain paths become absolute ``file://`` URLs; URLs are returned unchanged."""
+    if "://" in url or "::" in url:
+        return url
+    return "file://" + os.path.abspath(os.path.expanduser(url))
+
+
+class Source:
+    """Reads relative paths under one dataset URL (see the module docstring)."""
+
+    def __init__(self, url: str, *, t1_dir: str | None = "default", t1_max_bytes: int | None = None,
+                 storage_options: dict | None = None, retries: int = 3, backoff: float = 0.2,
+                 force_t1: bool = False, workers: int = 8) -> None:
+        self.url = normalise_url(url)
+        self.storage_options = dict(storage_options or {})
+        self.retries = int(retries)
+        self.backoff = float(backoff)
+        self.workers = int(workers)
+        protocol = self.url.split("://", 1)[0] if "://" in self.url else "file"
+        chained = "::" in self.url
+        self.t1_dir = default_t1_dir() if t1_dir == "default" else t1_dir
+        if self.t1_dir:  # absolute: DataLoader workers / daemons may run with another cwd
+            self.t1_dir = os.path.abspath(os.path.expanduser(self.t1_dir))
+        self.use_t1 = bool(self.t1_dir) and not chained and (force_t1 or protocol not in _LOCAL_PROTOCOLS)
+        self.t1_max_bytes = t1_max_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = -1
+        self._fs: Any = None
+        self._cfs: Any = None
+        self._root = ""
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._stats = {"t1_hits": 0, "t1_misses": 0, "bytes_read": 0, "retries": 0, "errors": 0,
+                       "t1_evicted_bytes": 0}
+        self._since_trim = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_pid", "_fs", "_cfs", "_root", "_pool", "_lock", "_stats", "_since_trim")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    # ------------------------------------------------------------ per process
+    def _ensure(self) -> None:
+        if self._pid == os.getpid():
+            return
+        with _INIT_LOCK:  # several threads may make the first call at once
+            if self._pid == os.getpid():
+                return
+            # a fork inherits the parent's fs objects and pool threads (threads do not survive a
+            # fork, so the pool would hang): rebuild everything in this process
+            self._reset()
+            fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            self._fs, self._root = fs, root.rstrip("/")
+            if self.use_t1:
+                os.makedirs(self.t1_dir, exist_ok=True)
+                self._cfs = fsspec.filesystem("simplecache", fs=fs, cache_storage=self.t1_dir)
+            self._pid = os.getpid()
+
+    def _full(self, relpath: str) -> str:
+        return posixpath.join(self._root, relpath.lstrip("/")) if self._root else relpath
+
+    def url_of(self, relpath: str) -> str:
+        """Full URL of ``relpath`` (for messages; a ``?query`` of the root is left out)."""
+        return posixpath.join(self.url.split("?", 1)[0].rstrip("/"), relpath.lstrip("/"))
+
+    def _t1_file(self, full: str) -> str:
+        cfs = self._cfs
+        return os.path.join(cfs.storage[-1], cfs._mapper(cfs._strip_protocol(full)))  # simplecache layout
+
+    # -------------------------------------------------------------- reading
+    def read(self, relpath: str, *, expect_size: int | None = None) -> bytes:
+        """Bytes of ``relpath``; raises :class:`SourceError` naming the file."""
+        self._ensure()
+        return self._read(relpath, expect_size, lookup=True)
+
+    def _read(self, relpath: str, expect_size: int | None, *, lookup: bool) -> bytes:
+        for attempt in range(self.retries + 1):
+            try:
+                return self._read_once(relpath, expect_size, lookup and attempt == 0)
+            except Exception as e:
+                if attempt < self.retries and is_transient(e):
+                    self._count("retries")
+                    time.sleep(self.backoff * (2**attempt) * (0.5 + random.random()))
+                    continue
+                self._count("errors")
+                raise SourceError(self.url_of(relpath), e) from e
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _read_once(self, relpath: str, expect_size: int | None, lookup: bool) -> bytes:
+        full = self._full(relpath)
+        if not self.use_t1:
+            data = self._fs.cat_file(full)
+            self._count("bytes_read", len(data))
+            return data
+        fn = self._t1_file(full)
+        hit = self._t1_get(fn, expect_size) if lookup else None
+        if hit is not None:
+            return hit
+        data = self._fs.cat_file(full)
+        self._count("bytes_read", len(data))
+        self._t1_put(fn, data)
+        return data
+
+    def _t1_get(self, fn: str, expect_size: int | None) -> bytes | None:
+        try:
+            with open(fn, "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, IsADirectoryError):
+            self._count("t1_misses")
+            return None
+        if expect_size is not None and len(data) != expect_size:
+            with contextlib.suppress(FileNotFoundError):  # the source changed size: drop the entry
+                os.remove(fn)
+            self._count("t1_misses")
+            return None
+        if self.t1_max_bytes:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(fn)  # LRU clock for trimming (relatime would not update atime)
+        self._count("t1_hits")
+        return data
+
+    def _t1_put(self, fn: str, data: bytes) -> None:
+        tmp = f"{fn}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, fn)  # atomic publish: readers never see a partial entry
+        except OSError:  # a full T1 disk must not fail the read
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            return
+        if self.t1_max_bytes:
+            with self._lock:
+                self._since_trim += len(data)
+                due = self._since_trim >= max(self.t1_max_bytes // 20, 1)
+                if due:
+                    self._since_trim = 0
+            if due:
+                self.trim_t1()
+
+    def trim_t1(self) -> int:
+        """Remove least-recently-used T1 entries until the directory is under 90 % of the cap."""
+        if not (self.use_t1 and self.t1_max_bytes):
+            return 0
+        entries = []
+        with os.scandir(self.t1_dir) as it:
+            for e in it:
+                try:
+                    if e.is_file(follow_symlinks=False) and ".tmp-" not in e.name:
+                        st = e.stat(follow_symlinks=False)
+                        entries.append((st.st_atime, st.st_size, e.path))
+                except FileNotFoundError:
+                    continue
+        total = sum(s for _, s, _ in entries)
+        if total <= self.t1_max_bytes:
+            return 0
+        goal = int(self.t1_max_bytes * 0.9)
+        removed = 0
+        for _, size, path in sorted(entries):
+            if total - removed <= goal:
+                break
+            try:
+                os.remove(path)
+                removed += size
+            except FileNotFoundError:
+                continue
+        self._count("t1_evicted_bytes", removed)
+        return removed
+
+    def read_many(self, relpaths: Sequence[str], *, expect_sizes: Sequence[int] | None = None
+                  ) -> list[bytes | SourceError]:
+        """Read many files concurrently; a failing file yields its SourceError, never raises."""
+        self._ensure()
+        n = len(relpaths)
+        sizes = list(expect_sizes) if expect_sizes is not None else [None] * n
+        out: list[bytes | SourceError | None] = [None] * n
+        todo = list(range(n))
+        if self.use_t1:
+            todo = []
+            for i, rp in enumerate(relpaths):
+                hit = self._t1_get(self._t1_file(self._full(rp)), sizes[i])
+                if hit is None:
+                    todo.append(i)
+                else:
+                    out[i] = hit
+        if todo and getattr(self._fs, "async_impl", False) and len(todo) > 1:
+            fulls = [self._full(relpaths[i]) for i in todo]
+            try:
+                got = self._fs.cat(fulls, on_error="return")  # one concurrent async gather
+            except Exception:  # the gather itself failed: fall back to per-file reads with retries
+                got = {}
+            retry = []
+            for i, full in zip(todo, fulls):
+                val = got.get(full, got.get(self._fs._strip_protocol(full)))
+                if isinstance(val, (bytes, bytearray)):
+                    data = bytes(val)
+                    self._count("bytes_read", len(data))
+                    if self.use_t1:
+                        self._t1_put(self._t1_file(full), data)
+                    out[i] = data
+                elif isinstance(val, BaseException) and not is_transient(val):
+                    self._count("errors")
+                    out[i] = SourceError(self.url_of(relpaths[i]), val)  # permanent: no second request
+                else:
+                    retry.append(i)  # transient errors go through read()'s retry loop
+            todo = retry
+        if todo:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=max(1, self.workers),
+                                                thread_name_prefix="datacache-source")
+            futs = {i: self._pool.submit(self._read_or_error, relpaths[i], sizes[i]) for i in todo}
+            for i, f in futs.items():
+                out[i] = f.result()
+        return out  # type: ignore[return-value]
+
+    def _read_or_error(self, relpath: str, expect_size: int | None) -> bytes | SourceError:
+        try:  # the T1 lookup was already done by read_many: go to the source (with retries)
+            return self._read(relpath, expect_size, lookup=False)
+        except SourceError as e:
+            return e
+
+    # ---------------------------------------------------------------- misc
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this process: t1_hits, t1_misses, bytes_read, retries, errors, t1_evicted_bytes."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._reset()

@@ -1,0 +1,188 @@
+"""Dataset generators for tests, the demo and benchmarks (no binaries are committed).
+
+:func:`make_imagefolder` writes an ImageNet-like ImageFolder of *textured* JPEGs: a smooth
+random colour field (a tiny random image upscaled bicubically), a mid-frequency layer, a
+few filled shapes and per-pixel noise. Flat colours would compress to a few KB and make
+decode/IO benchmarks meaningless; this mix gives q90 500x375 files of ~60–150 KB like
+ImageNet's, with a per-class colour bias so a small model can learn something. Everything
+is drawn from ``numpy.random.default_rng((seed, class, index))``: same seed, same bytes.
+Noise is generated at uint8 on the full image but everything else at low resolution,
+so ~2,000 images take well under a minute on one core.
+
+``include_real_photos=True`` also copies the sample photos shipped by installed packages
+(scikit-image's ``data`` folder when installed, matplotlib's ``mpl-data/sample_data``, e.g.
+``grace_hopper.jpg``), round-robin into the class folders, as ``real_<name>``.
+
+:func:`write_bad_inputs` adds one file per bad-input case (see its docstring).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Iterable
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from datacache.manifest import is_image
+
+
+def _class_names(n: int) -> list[str]:
+    return [f"c{i:03d}" for i in range(n)]
+
+
+def synth_image(rng: np.random.Generator, size: tuple[int, int], bias: np.ndarray) -> Image.Image:
+    """One textured RGB image of ``size`` = (width, height)."""
+    w, h = size
+    coarse = rng.integers(0, 256, size=(4, 5, 3), dtype=np.uint8)
+    coarse = np.clip(coarse.astype(np.int16) // 2 + bias, 0, 255).astype(np.uint8)
+    base = Image.fromarray(coarse, "RGB").resize((w, h), Image.Resampling.BILINEAR)
+    mid = rng.integers(0, 256, size=(max(2, h // 12), max(2, w // 12), 3), dtype=np.uint8)
+    mid_img = Image.fromarray(mid, "RGB").resize((w, h), Image.Resampling.BILINEAR)
+    img = Image.blend(base, mid_img, 0.25)
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(3, 8))):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        x1, y1 = x0 + int(rng.integers(w // 10, w // 2)), y0 + int(rng.integers(h // 10, h // 2))
+        colour = tuple(int(c) for c in rng.integers(0, 256, size=3))
+        if rng.random() < 0.5:
+            draw.ellipse((x0, y0, x1, y1), fill=colour)
+        else:
+            draw.rectangle((x0, y0, x1, y1), fill=colour)
+    arr = np.asarray(img).astype(np.int16)
+    arr += rng.integers(-18, 19, size=(h, w, 1), dtype=np.int16)  # luminance grain
+    arr += rng.integers(-5, 6, size=(h, w, 3), dtype=np.int16)  # colour grain
+    np.clip(arr, 0, 255, out=arr)
+    return Image.fromarray(arr.astype(np.uint8), "RGB")
+
+
+def real_photo_files() -> list[str]:
+    """Image files shipped by installed packages (scikit-image data, matplotlib sample_data)."""
+    dirs: list[str] = []
+    for pkg, sub in (("skimage", "data"), ("matplotlib", os.path.join("mpl-data", "sample_data"))):
+        spec = importlib.util.find_spec(pkg)
+        if spec is not None and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                d = os.path.join(loc, sub)
+                if os.path.isdir(d):
+                    dirs.append(d)
+    files = []
+    for d in dirs:
+        files += sorted(os.path.join(d, f) for f in os.listdir(d) if is_image(f))
+    return files
+
+
+def _progress(it: Iterable, total: int, enabled: bool) -> Iterable:
+    if not enabled:
+        return it
+    from tqdm import tqdm
+
+    return tqdm(it, total=total, desc="synth images", unit="img")
+
+
+def make_imagefolder(root: str, *, classes: int = 10, per_class: int = 20, size: tuple[int, int] = (500, 375),
+                     quality: int = 90, seed: int = 0, include_real_photos: bool = False,
+                     progress: bool = False) -> list[str]:
+    """Write ``root/<class>/<i>.JPEG`` (classes ``c000``...) and return the relative paths written."""
+    names = _class_names(classes)
+    for c in names:
+        os.makedirs(os.path.join(root, c), exist_ok=True)
+    written: list[str] = []
+    jobs = [(ci, i) for ci in range(classes) for i in range(per_class)]
+    for ci, i in _progress(jobs, len(jobs), progress):
+        rng = np.random.default_rng((seed, ci, i))
+        bias = np.array([(ci * 53) % 128, (ci * 97) % 128, (ci * 31) % 128], dtype=np.int16)
+        rel = f"{names[ci]}/{i:05d}.JPEG"
+        synth_image(rng, size, bias).save(os.path.join(root, rel), format="JPEG", quality=quality)
+        written.append(rel)
+    if include_real_photos:
+        for k, src in enumerate(real_photo_files()):
+            rel = f"{names[k % classes]}/real_{os.path.basename(src)}"
+            shutil.copyfile(src, os.path.join(root, rel))
+            written.append(rel)
+    return written
+
+
+def _jpeg_bytes(img: Image.Image, **kw: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def write_bad_inputs(root: str) -> dict[str, str]:
+    """Write one file per bad-input case into the class folders of ``root``; ``{case: relpath}``.
+
+    Cases: ``corrupt`` (JPEG marker + garbage), ``truncated`` (first half of a JPEG),
+    ``zero_byte``, ``cmyk`` / ``palette`` (with a transparent index) / ``rgba``: pure red
+    images, ``gray`` (L, value 128), ``sixteen_bit`` (16-bit PNG, left half 65535, right half
+    16384 -> 255 / 64 after scaling), ``png_named_jpeg`` (a green PNG named ``.JPEG``),
+    ``exif_rotated`` (200x100 stored, left half red / right half blue, EXIF orientation 6:
+    decodes 100x200 with red on top), ``one_by_one`` (1x1 blue), ``huge`` (10000x8000 JPEG,
+    flat grey so it is cheap to write), ``non_image`` (a ``.txt``), ``unicode`` (a valid JPEG
+    with a non-ASCII name).
+    """
+    classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))) if os.path.isdir(
+        root) else []
+    if not classes:
+        classes = ["c000"]
+        os.makedirs(os.path.join(root, "c000"), exist_ok=True)
+    good = synth_image(np.random.default_rng(12345), (200, 150), np.zeros(3, dtype=np.int16))
+    good_jpeg = _jpeg_bytes(good)
+    red = (255, 0, 0)
+    half = np.zeros((100, 200, 3), dtype=np.uint8)
+    half[:, :100] = red
+    half[:, 100:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    sixteen = np.full((32, 64), 16384, dtype=np.uint16)
+    sixteen[:, :32] = 65535
+    pal = Image.new("P", (48, 32), 1)
+    pal.putpalette([0, 0, 0, 255, 0, 0] + [0, 0, 0] * 254)
+    pal.info["transparency"] = 0
+    import io
+
+    def png(img: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return buf.getvalue()
+
+    def jpeg(img: Image.Image, **kw: object) -> bytes:
+        return _jpeg_bytes(img, **kw)
+
+    cases: dict[str, tuple[str, object]] = {
+        "corrupt": ("bad_corrupt.JPEG", b"\xff\xd8\xff\xe0" + bytes(np.random.default_rng(1).integers(
+            0, 256, 4000, dtype=np.uint8))),
+        "truncated": ("bad_truncated.JPEG", good_jpeg[: len(good_jpeg) // 2]),
+        "zero_byte": ("bad_zero.JPEG", b""),
+        "cmyk": ("odd_cmyk.JPEG", lambda: jpeg(Image.new("CMYK", (64, 48), (0, 255, 255, 0)))),
+        "gray": ("odd_gray.JPEG", lambda: jpeg(Image.new("L", (64, 48), 128))),
+        "palette": ("odd_palette.png", lambda: png(pal)),
+        "rgba": ("odd_rgba.png", lambda: png(Image.new("RGBA", (64, 48), (255, 0, 0, 255)))),
+        "sixteen_bit": ("odd_16bit.png", lambda: png(Image.fromarray(sixteen))),
+        "png_named_jpeg": ("odd_png_named.JPEG", lambda: png(Image.new("RGB", (64, 48), (0, 255, 0)))),
+        "exif_rotated": ("odd_exif6.JPEG", lambda: jpeg(Image.fromarray(half), exif=exif.tobytes())),
+        "one_by_one": ("odd_1x1.JPEG", lambda: jpeg(Image.new("RGB", (1, 1), (0, 0, 255)))),
+        "huge": ("odd_huge.JPEG", lambda: _jpeg_bytes_q(Image.new("RGB", (10000, 8000), (120, 120, 120)))),
+        "non_image": ("notes.txt", b"not an image\n"),
+        "unicode": ("ünïcødé_名前.JPEG", good_jpeg),
+    }
+    out: dict[str, str] = {}
+    for k, (case, (fname, data)) in enumerate(cases.items()):
+        rel = f"{classes[k % len(classes)]}/{fname}"
+        payload = data() if callable(data) else data
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(payload)  # type: ignore[arg-type]
+        out[case] = rel
+    return out
+
+
+def _jpeg_bytes_q(img: Image.Image) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=50)
+    return buf.getvalue()

@@ -1,0 +1,68 @@
+"""Shared pytest fixtures: small generated datasets (nothing binary is committed).
+
+* ``small_imagefolder`` (session): ``root/c000..c002/*.JPEG``, 3 classes x 8 textured
+  200x150 JPEGs. Shared by many tests: **do not modify it** (use ``imagefolder_factory``).
+* ``imagefolder_factory`` (function): ``make(classes=3, per_class=4, size=(200, 150), **kw)``
+  writes a fresh ImageFolder under ``tmp_path`` and returns its root (str).
+* ``bad_imagefolder`` (session) and ``bad_cases``: ``small_imagefolder``'s images plus every
+  case of :func:`datacache.synth.write_bad_inputs` and three more that ``bad_cases``
+  names: ``dangling_symlink`` (an image-named symlink to nothing: listed, unreadable),
+  ``directory_named_jpeg`` (a directory ``x.JPEG``: walked into like torchvision, never a
+  sample) and ``empty_class`` (an empty class folder ``c999_empty``, which keeps its index).
+  Do not modify it either.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+import pytest
+
+from datacache.synth import make_imagefolder, write_bad_inputs
+
+
+@pytest.fixture(scope="session")
+def small_imagefolder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("small_imagefolder") / "train")
+    make_imagefolder(root, classes=3, per_class=8, size=(200, 150), seed=0)
+    return root
+
+
+@pytest.fixture
+def imagefolder_factory(tmp_path) -> Callable[..., str]:
+    counter = {"n": 0}
+
+    def make(classes: int = 3, per_class: int = 4, size: tuple[int, int] = (200, 150), **kw) -> str:
+        counter["n"] += 1
+        root = str(tmp_path / f"imagefolder{counter['n']}")
+        make_imagefolder(root, classes=classes, per_class=per_class, size=size, **kw)
+        return root
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def _bad_build(tmp_path_factory: pytest.TempPathFactory,
+               small_imagefolder: str) -> tuple[str, dict[str, str]]:
+    root = str(tmp_path_factory.mktemp("bad_imagefolder") / "train")
+    shutil.copytree(small_imagefolder, root)
+    cases = write_bad_inputs(root)
+    os.symlink(os.path.join(root, "does-not-exist.JPEG"), os.path.join(root, "c000", "dangling.JPEG"))
+    cases["dangling_symlink"] = "c000/dangling.JPEG"
+    os.makedirs(os.path.join(root, "c001", "x.JPEG"))
+    cases["directory_named_jpeg"] = "c001/x.JPEG"
+    os.makedirs(os.path.join(root, "c999_empty"))
+    cases["empty_class"] = "c999_empty"
+    return root, cases
+
+
+@pytest.fixture(scope="session")
+def bad_imagefolder(_bad_build: tuple[str, dict[str, str]]) -> str:
+    return _bad_build[0]
+
+
+@pytest.fixture(scope="session")
+def bad_cases(_bad_build: tuple[str, dict[str, str]]) -> dict[str, str]:
+    return dict(_bad_build[1])

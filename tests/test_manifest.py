@@ -1,0 +1,191 @@
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from datacache import slowfs
+from datacache.manifest import IMG_EXTENSIONS, Manifest, ManifestError
+from datacache.source import Source
+
+
+def reference_imagefolder(root: str) -> tuple[list[str], list[int], list[str]]:
+    """What torchvision's ImageFolder(allow_empty=True) lists, re-implemented with os.walk."""
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    paths, targets = [], []
+    for i, c in enumerate(classes):
+        for d, _, files in sorted(os.walk(os.path.join(root, c), followlinks=True)):
+            for f in sorted(files):
+                if f.lower().endswith(IMG_EXTENSIONS):
+                    paths.append(os.path.relpath(os.path.join(d, f), root))
+                    targets.append(i)
+    return paths, targets, classes
+
+
+def test_imagefolder_matches_torchvision_semantics(bad_imagefolder: str, bad_cases: dict) -> None:
+    m = Manifest.build(bad_imagefolder)
+    paths, targets, classes = reference_imagefolder(bad_imagefolder)
+    assert m.paths == paths and m.targets == targets and m.classes == classes
+    assert m.class_to_idx == {c: i for i, c in enumerate(classes)}
+    assert m.root == "file://" + bad_imagefolder
+    assert len(m) == len(paths) == len(m.sizes) == len(m.mtimes)
+    # documented skips are counted: the .txt, and the empty class (which keeps its index)
+    assert m.ignored["non_image"] == 1 and m.ignored["empty_class"] == 1
+    assert "c999_empty" in m.classes and m.class_counts()["c999_empty"] == 0
+    assert bad_cases["non_image"] not in m.paths
+    # unicode names and dangling symlinks are listed (reading them is the Source's business)
+    assert bad_cases["unicode"] in m.paths and bad_cases["dangling_symlink"] in m.paths
+    assert not any(p.startswith(bad_cases["directory_named_jpeg"] + "/") or p == bad_cases[
+        "directory_named_jpeg"] for p in m.paths)
+    assert len(m.fingerprint) == 16 and int(m.fingerprint, 16) >= 0
+
+
+def test_extensions_case_insensitive_nested_and_outside(tmp_path) -> None:
+    root = tmp_path / "ds"
+    for rel in ("b/x.JpG", "b/sub/y.PNG", "b/z.webp", "a/q.tiff", "a/readme.md", "loose.jpg"):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x" * 10)
+    m = Manifest.build(str(root))
+    assert m.classes == ["a", "b"]
+    assert m.paths == ["a/q.tiff", "b/x.JpG", "b/z.webp", "b/sub/y.PNG"]
+    assert m.targets == [0, 1, 1, 1]
+    assert m.ignored == {"non_image": 1, "outside_class": 1}
+
+
+def test_missing_source_names_url(tmp_path) -> None:
+    url = str(tmp_path / "nope")
+    with pytest.raises(ManifestError, match=r"nope.*does not exist"):
+        Manifest.build(url)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ManifestError, match="no images found"):
+        Manifest.build(str(tmp_path / "empty"))
+    with pytest.raises(ManifestError, match="revalidate"):
+        Manifest.build(str(tmp_path / "empty"), revalidate="sometimes")
+
+
+def test_file_lists_txt_and_csv(imagefolder_factory) -> None:
+    root = imagefolder_factory(classes=3, per_class=3)
+    ref = Manifest.build(root)
+    lst = os.path.join(root, "list_nolabel.txt")
+    with open(lst, "w") as f:
+        f.write("# comment\n" + "\n".join(ref.paths) + "\nc000/missing.JPEG\n")
+    m = Manifest.build(lst)
+    assert m.paths == ref.paths and m.targets == ref.targets and m.classes == ref.classes
+    assert m.sizes == ref.sizes and m.ignored == {"missing": 1}
+    assert m.root == ref.root and m.listed == "file://" + os.path.abspath(lst)  # root: what paths are under
+    assert Source(m.root).read(m.paths[0]) == Source(ref.root).read(ref.paths[0])
+    csv = os.path.join(root, "list_labels.csv")
+    with open(csv, "w") as f:
+        f.write("path,label\n" + "\n".join(f"{p},{(t + 1) % 3}" for p, t in zip(ref.paths, ref.targets)))
+    m2 = Manifest.build(csv)
+    assert m2.targets == [(t + 1) % 3 for t in ref.targets] and m2.classes == ["0", "1", "2"]
+    assert m2.fingerprint != m.fingerprint  # labels are part of the fingerprint
+    names = os.path.join(root, "list_names.csv")
+    with open(names, "w") as f:
+        f.write("\n".join(f"{p},{'zebra' if t else 'ant'}" for p, t in zip(ref.paths, ref.targets)))
+    m3 = Manifest.build(names)
+    assert m3.classes == ["ant", "zebra"] and m3.targets == [1 if t else 0 for t in ref.targets]
+    # persisted list manifests are reused until the list (or a listed directory) changes
+    pdir = os.path.join(root, "..", "persist")
+    assert Manifest.build(names, persist_dir=pdir).fingerprint == m3.fingerprint
+    assert Manifest.load(Manifest.persist_path(pdir, m3.listed)).listed == m3.listed
+    with open(names, "a") as f:
+        f.write("\nc000/00000.JPEG,ant\n")
+    m4 = Manifest.build(names, persist_dir=pdir)
+    assert len(m4) == len(m3) + 1 and m4.fingerprint != m3.fingerprint
+
+
+def test_fingerprint_tracks_size_and_mtime(imagefolder_factory) -> None:
+    root = imagefolder_factory(classes=2, per_class=2)
+    fp = Manifest.build(root).fingerprint
+    assert Manifest.build(root).fingerprint == fp  # deterministic
+    p = os.path.join(root, "c001", "00001.JPEG")
+    st = os.stat(p)
+    os.utime(p, (st.st_atime, st.st_mtime + 5))
+    assert Manifest.build(root).fingerprint != fp
+
+
+def test_persist_and_revalidate(imagefolder_factory, tmp_path) -> None:
+    root = imagefolder_factory(classes=2, per_class=3)
+    pdir = str(tmp_path / "persist")
+    m1 = Manifest.build(root, persist_dir=pdir)
+    saved = Manifest.persist_path(pdir, m1.root)
+    assert os.path.exists(saved)
+    loaded = Manifest.load(saved)
+    assert loaded.paths == m1.paths and loaded.fingerprint == m1.fingerprint and loaded.ignored == m1.ignored
+
+    # "dirs" catches an added file (the class folder's mtime and entry count change)
+    time.sleep(0.01)
+    shutil.copyfile(os.path.join(root, "c000", "00000.JPEG"), os.path.join(root, "c000", "new.JPEG"))
+    m2 = Manifest.build(root, persist_dir=pdir)
+    assert "c000/new.JPEG" in m2.paths and m2.fingerprint != m1.fingerprint
+    # ... and a removed file
+    os.remove(os.path.join(root, "c001", "00002.JPEG"))
+    m3 = Manifest.build(root, persist_dir=pdir)
+    assert "c001/00002.JPEG" not in m3.paths
+
+    # documented limit: an in-place rewrite keeps directory mtimes -> "dirs" misses it, "full" catches it
+    victim = os.path.join(root, "c001", "00000.JPEG")
+    dir_st = os.stat(os.path.dirname(victim))
+    with open(victim, "r+b") as f:
+        f.seek(0, 2)
+        f.write(b"\0" * 10)
+    os.utime(os.path.dirname(victim), (dir_st.st_atime, dir_st.st_mtime))
+    assert Manifest.build(root, persist_dir=pdir).fingerprint == m3.fingerprint  # stale, as documented
+    m4 = Manifest.build(root, persist_dir=pdir, revalidate="full")
+    assert m4.fingerprint != m3.fingerprint
+    assert m4.sizes[m4.paths.index("c001/00000.JPEG")] == os.path.getsize(victim)
+
+    # "none" trusts the saved copy even after a change
+    os.remove(os.path.join(root, "c000", "new.JPEG"))
+    assert "c000/new.JPEG" in Manifest.build(root, persist_dir=pdir, revalidate="none").paths
+
+    # a damaged persisted copy is ignored and rewritten
+    with open(saved, "wb") as f:
+        f.write(b"\x93garbage")
+    m5 = Manifest.build(root, persist_dir=pdir)
+    assert "c000/new.JPEG" not in m5.paths and Manifest.load(saved).fingerprint == m5.fingerprint
+
+
+def test_revalidation_is_cheaper_than_a_walk_on_slow_fs(imagefolder_factory, tmp_path) -> None:
+    root = imagefolder_factory(classes=3, per_class=6)
+    url = "slowfile://" + root + "?latency_ms=0&mbps=0"
+    pdir = str(tmp_path / "p")
+    slowfs.reset_counters()
+    m1 = Manifest.build(url, persist_dir=pdir)
+    walk_requests = slowfs.COUNTERS["requests"]
+    assert m1.root == "slowfile://" + root + "?latency_ms=0&mbps=0" and len(m1) == 18
+    slowfs.reset_counters()
+    m2 = Manifest.build(url, persist_dir=pdir)
+    assert m2.fingerprint == m1.fingerprint
+    assert slowfs.COUNTERS["requests"] < walk_requests
+    assert slowfs.COUNTERS["opens"] == 0  # no file was read
+
+
+def test_synth_is_deterministic_realistic_and_ships_real_photos(tmp_path) -> None:
+    from datacache.synth import make_imagefolder, real_photo_files
+
+    a = make_imagefolder(str(tmp_path / "a"), classes=2, per_class=2, seed=3)
+    b = make_imagefolder(str(tmp_path / "b"), classes=2, per_class=2, seed=3)
+    c = make_imagefolder(str(tmp_path / "c"), classes=2, per_class=2, seed=4)
+    assert a == b == c == ["c000/00000.JPEG", "c000/00001.JPEG", "c001/00000.JPEG", "c001/00001.JPEG"]
+    for rel in a:
+        ba, bb, bc = (raw_bytes(tmp_path / d / rel) for d in "abc")
+        assert ba == bb and ba != bc
+        assert 60_000 <= len(ba) <= 150_000  # textured, like an ImageNet JPEG at 500x375 q90
+    photos = real_photo_files()
+    assert any(p.endswith("grace_hopper.jpg") for p in photos)  # matplotlib is a test dependency
+    written = make_imagefolder(str(tmp_path / "d"), classes=2, per_class=1, size=(64, 48),
+                               include_real_photos=True)
+    assert len(written) == 2 + len(photos)
+    assert any(w.endswith("/real_grace_hopper.jpg") for w in written)
+    m = Manifest.build(str(tmp_path / "d"))
+    assert sorted(m.paths) == sorted(written)
+
+
+def raw_bytes(p) -> bytes:
+    with open(p, "rb") as f:
+        return f.read()
