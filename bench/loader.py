@@ -1,0 +1,340 @@
+"""Loader benchmark: naive PIL pipeline vs DALI-CPU vs datacache (cold/warm) vs the copy-only ceiling.
+
+All pipelines read the same generated ImageNet-like dataset (>= 2,000 JPEGs at 500x375 q90 via
+datacache.synth, plus the photos installed packages ship) and produce uint8 batches
+``[256, 3, 128, 128]`` (random-resized-crop to 128 + horizontal flip) with 2 worker
+processes, measured side by side in one run:
+
+* ``naive``: the torchvision-style per-sample pipeline in a DataLoader: PIL open -> RGB ->
+  RandomResizedCrop(128) (crop + antialiased bilinear resize in PIL) -> flip -> uint8 tensor,
+  default collate. Every epoch decodes every JPEG.
+* ``dali_cpu``: NVIDIA DALI CPU pipeline, 2 threads (``fn.external_source`` fed with the file
+  bytes, ``fn.decoders.image(device="cpu")``, ``fn.random_resized_crop``, ``fn.flip``,
+  ``device_id=None``) when ``nvidia-dali-cuda120`` is installed; otherwise reported as not
+  installed with ``warm_vs_dali = null``.
+* ``datacache_cold``: CachedImageNet epoch 1 on an empty LMDB cache (read + decode + write).
+* ``datacache_warm``: epochs 2-3 (LMDB hits + batched RRC/flip in the workers).
+* ``copy_ceiling``: the same DataLoader over the warm cache, but the collate only copies a
+  128x128 window of each cached record into the same ``[256, 3, 128, 128]`` batch (no resize,
+  no flip): the strict data-path ceiling that ``warm_vs_copy_ceiling`` compares with.
+  ``copy_records`` (reported as ``warm_vs_copy_records``) copies every whole record into one
+  packed batch instead (~2x the bytes of the window).
+
+Steady-state epochs are timed (persistent workers, started before the timed epochs), so
+worker start-up is excluded except in the cold epoch, where it is part of the cost. The
+naive, warm and copy epochs run interleaved (two rounds), so load from other jobs on this
+shared machine drifts over all of them alike. Run ``python -m bench.loader`` (full) or ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from bench.common import RESULTS_DIR, bar_chart, machine_info, print_machine, write_results
+from client.augment import AugmentCollate, _new_batch, rrc_params
+from client.dataset import CachedImageNet
+from datacache import synth
+from datacache.config import user_cache_dir
+from datacache.manifest import Manifest
+
+SIZE = 128
+
+
+def worker_init(_: int) -> None:
+    # Worker-process boundary: 2 DataLoader workers on 2 cores are the parallelism; torch's own
+    # intra-op threads inside each worker would only oversubscribe the cores.
+    torch.set_num_threads(1)
+
+
+class NaivePILDataset(Dataset):
+    """The standard per-sample pipeline: decode with PIL every time, RRC + flip in PIL."""
+
+    def __init__(self, root: str) -> None:
+        man = Manifest.build(root)
+        base = man.root[len("file://"):]
+        self.files = [os.path.join(base, p) for p in man.paths]
+        self.targets = man.targets
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.files[i]) as im:
+            im = im.convert("RGB")
+            top, left, h, w = rrc_params(im.height, im.width)  # torchvision's parameter sampling
+            im = im.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+            if torch.rand(1).item() < 0.5:
+                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            arr = np.asarray(im)
+        return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous(), self.targets[i]
+
+
+class CopyCollate:
+    """Copy-only ceiling: a SIZE x SIZE window of every cached record straight into the batch."""
+
+    def __call__(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = _new_batch(len(batch), SIZE)
+        for k, (img, _) in enumerate(batch):
+            h, w = min(SIZE, int(img.shape[1])), min(SIZE, int(img.shape[2]))  # capped panoramas are smaller
+            out[k, :, :h, :w] = img[:, :h, :w]
+        return out, torch.tensor([lab for _, lab in batch], dtype=torch.int64)
+
+
+class CopyRecordsCollate:
+    """Looser ceiling: every whole cached record copied back to back into one packed uint8 batch
+    (shared memory in a worker) plus its shapes; returned as ``(flat uint8, shapes [B, 3], labels)``."""
+
+    def __call__(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, ...]:
+        total = sum(int(img.numel()) for img, _ in batch)
+        if torch.utils.data.get_worker_info() is not None:
+            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total), 0,
+                                                          (total,), (1,))
+        else:
+            flat = torch.empty(total, dtype=torch.uint8)
+        off = 0
+        for img, _ in batch:
+            n = int(img.numel())
+            flat[off:off + n].view(img.shape[1], img.shape[2], 3).copy_(img.permute(1, 2, 0))
+            off += n
+        shapes = torch.tensor([[int(img.shape[1]), int(img.shape[2]), 3] for img, _ in batch])
+        return flat, shapes, torch.tensor([lab for _, lab in batch], dtype=torch.int64)
+
+
+def ensure_dataset(n_images: int, classes: int = 20) -> str:
+    per_class = max(1, n_images // classes)
+    root = os.path.join(user_cache_dir(), "datacache", "bench", f"loader-{classes}x{per_class}-500x375")
+    marker = root + ".complete"  # beside the tree: a file in the root counts as a stray file
+    if not os.path.exists(marker):
+        if os.path.isdir(root):
+            shutil.rmtree(root)
+        print(f"generating {classes * per_class} JPEGs (500x375 q90) + shipped photos in {root}")
+        synth.make_imagefolder(root, classes=classes, per_class=per_class, size=(500, 375), quality=90,
+                               include_real_photos=True, progress=True)
+        open(marker, "w").close()
+    return root
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of one process (from /proc; 0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+
+
+def _loader_pids(loader: Any) -> list[int]:
+    """The main process and the loader's (persistent) worker processes."""
+    it = getattr(loader, "_iterator", None)  # torch-internal, present for persistent workers
+    return [os.getpid()] + [w.pid for w in getattr(it, "_workers", [])]
+
+
+def time_epoch(loader: Any, n: int, desc: str) -> tuple[float, int, float]:
+    """One epoch: (wall seconds, samples, CPU seconds of the main + worker processes).
+
+    CPU seconds do not depend on how much of the machine other jobs take, so samples per
+    CPU-second is the contention-robust companion of samples/s on this shared machine.
+    """
+    before = {pid: _cpu_seconds(pid) for pid in _loader_pids(loader)}
+    count = 0
+    t = time.perf_counter()
+    with tqdm(total=n, desc=desc, unit="img", leave=False) as bar:
+        for out in loader:
+            images, labels = out[0], out[-1]
+            packed = len(out) == 3  # CopyRecordsCollate: (flat, shapes, labels)
+            assert images.dtype == torch.uint8 and (packed or tuple(images.shape[1:]) == (3, SIZE, SIZE))
+            count += int(labels.numel())
+            bar.update(int(labels.numel()))
+    dt = time.perf_counter() - t
+    cpu = sum(_cpu_seconds(pid) - before.get(pid, 0.0) for pid in _loader_pids(loader))
+    return dt, count, cpu
+
+
+def make_loader(ds: Dataset, batch: int, workers: int, collate: Any = None) -> DataLoader:
+    return DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, collate_fn=collate,
+                      persistent_workers=workers > 0, worker_init_fn=worker_init if workers > 0 else None,
+                      prefetch_factor=2 if workers > 0 else None, generator=torch.Generator().manual_seed(0))
+
+
+def run_dali(root: str, batch: int, epochs: int) -> dict[str, Any]:
+    """DALI CPU pipeline (2 threads); returns {"available": False, ...} when DALI is not installed."""
+    try:
+        from nvidia.dali import fn, pipeline_def, types  # type: ignore[import-not-found]
+    except ImportError as e:
+        return {"available": False, "reason": f"nvidia-dali-cuda120 is not installed ({e})"}
+    man = Manifest.build(root)
+    base = man.root[len("file://"):]
+    files = [os.path.join(base, p) for p in man.paths]
+    labels = np.asarray(man.targets, dtype=np.int32)
+    n = len(files)
+
+    class Feed:  # external_source callable: one batch of (file bytes, label) per call
+        def __init__(self) -> None:
+            self.order = np.random.default_rng(0).permutation(n)
+            self.pos = 0
+
+        def __call__(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+            if self.pos >= n:
+                self.pos = 0
+                self.order = np.random.default_rng(self.pos + n).permutation(n)
+                raise StopIteration
+            idx = self.order[self.pos:self.pos + batch]
+            self.pos += batch
+            data = [np.fromfile(files[i], dtype=np.uint8) for i in idx]
+            return data, [labels[i:i + 1] for i in idx]
+
+    @pipeline_def(batch_size=batch, num_threads=2, device_id=None)
+    def pipe():  # type: ignore[no-untyped-def]
+        jpegs, labs = fn.external_source(source=Feed(), num_outputs=2, batch=True)
+        images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+        images = fn.random_resized_crop(images, size=(SIZE, SIZE), random_area=(0.08, 1.0),
+                                        random_aspect_ratio=(3 / 4, 4 / 3))
+        images = fn.flip(images, horizontal=fn.random.coin_flip())
+        return images, labs
+
+    p = pipe()
+    p.build()
+    rates = []
+    for e in range(epochs):
+        count = 0
+        t = time.perf_counter()
+        try:
+            while True:
+                images, _ = p.run()
+                count += len(images)
+        except StopIteration:
+            p.reset()
+        dt = time.perf_counter() - t
+        if e > 0 or epochs == 1:
+            rates.append(count / dt)
+    return {"available": True, "samples_per_s": max(rates)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small smoke run (300 images, batch 64)")
+    ap.add_argument("--images", type=int, default=None, help="generated JPEGs (default 2000, quick 300)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 256 (quick 64)")
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args(argv)
+    n_images = args.images or (300 if args.quick else 2000)
+    batch = args.batch_size or (64 if args.quick else 256)
+    machine = print_machine(machine_info())
+    root = ensure_dataset(n_images)
+    cache_dir = os.path.join(user_cache_dir(), "datacache", "bench", "loader-lmdb")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    torch.set_num_threads(1)  # the main process only receives batches
+    results: dict[str, Any] = {}
+    notes = [f"{os.cpu_count()} cores shared with other jobs on this machine: absolute numbers are noisy; "
+             "naive, warm and copy epochs ran interleaved in one process (2 rounds) for the ratios; "
+             "the *_cpu ratios use samples per CPU-second of the main + worker processes, which "
+             "other jobs' load does not change"]
+
+    naive = NaivePILDataset(root)
+    n = len(naive)
+    ds = CachedImageNet(root, "lmdb://" + cache_dir, short_side=160, t1_dir=None)
+    naive_loader = make_loader(naive, batch, args.workers)
+    dc_loader = make_loader(ds, batch, args.workers, AugmentCollate(SIZE))
+    copy_loader = make_loader(ds, batch, args.workers, CopyCollate())
+    records_loader = make_loader(ds, batch, args.workers, CopyRecordsCollate())
+    epochs: list[dict[str, Any]] = []
+
+    def dc_epoch(e: int, loader: DataLoader) -> None:
+        ds.reset_stats()
+        dt, count, cpu = time_epoch(loader, n, f"datacache epoch {e}")
+        st = ds.stats()
+        epochs.append({"epoch": e, "samples_per_s": count / dt, "seconds": dt, "cpu_seconds": cpu,
+                       "samples_per_cpu_s": count / cpu, "hits": st["hits"],
+                       "misses": st["misses"], "decoded": st["decoded"], "bytes_read": st["bytes_read"]})
+        print(f"datacache epoch {e}: {count / dt:8.0f} samples/s ({count / cpu:.0f} per CPU-second)  "
+              f"hits {st['hits']}  decoded {st['decoded']}")
+
+    load_before = os.getloadavg()
+    dc_epoch(1, dc_loader)  # cold: starting its workers is part of the cold cost
+    next(iter(naive_loader))  # start the other loaders' persistent workers outside the timed epochs
+    next(iter(copy_loader))
+    next(iter(records_loader))
+    timed: dict[str, list[tuple[float, int, float]]] = {"naive": [], "copy_ceiling": [], "copy_records": []}
+    for r in range(2):  # interleaved rounds: load from other jobs drifts over all pipelines alike
+        timed["naive"].append(time_epoch(naive_loader, n, f"naive round {r + 1}"))
+        dc_epoch(2 + r, dc_loader)
+        timed["copy_ceiling"].append(time_epoch(copy_loader, n, f"copy round {r + 1}"))
+        timed["copy_records"].append(time_epoch(records_loader, n, f"copy records round {r + 1}"))
+    del naive_loader, dc_loader, copy_loader, records_loader
+    load_after = os.getloadavg()
+    for name, runs in timed.items():
+        secs = sum(dt for dt, _, _ in runs)
+        cnt = sum(c for _, c, _ in runs)
+        cpu = sum(cp for _, _, cp in runs)
+        results[name] = {
+            "samples_per_s": cnt / secs, "seconds": secs, "samples": cnt, "cpu_seconds": cpu,
+            "samples_per_cpu_s": cnt / cpu, "per_round": [c / dt for dt, c, _ in runs]}
+    print(f"naive PIL:         {results['naive']['samples_per_s']:8.0f} samples/s "
+          f"({results['naive']['samples_per_cpu_s']:.0f} per CPU-second)")
+    print(f"copy-only ceiling: {results['copy_ceiling']['samples_per_s']:8.0f} samples/s (128x128 window "
+          f"of each record); whole records packed: {results['copy_records']['samples_per_s']:.0f} samples/s")
+    results["datacache_cold"] = epochs[0]
+    warm = epochs[1:]
+    warm_rate = sum(x["samples_per_s"] * x["seconds"] for x in warm) / sum(x["seconds"] for x in warm)
+    warm_cpu_rate = sum(x["samples_per_s"] * x["seconds"] for x in warm) / sum(x["cpu_seconds"] for x in warm)
+    results["datacache_warm"] = {"samples_per_s": warm_rate, "samples_per_cpu_s": warm_cpu_rate,
+                                 "epochs": warm}
+    results["load_average"] = {"before": load_before, "after": load_after}
+    notes.append(f"1-min load average {load_before[0]:.1f} before / {load_after[0]:.1f} after the timed "
+                 f"part on {os.cpu_count()} cores (other helpers' jobs)")
+
+    dali = run_dali(root, batch, epochs=2)
+    results["dali_cpu"] = dali
+    if dali["available"]:
+        print(f"DALI CPU 2 thr:    {dali['samples_per_s']:8.0f} samples/s")
+    else:
+        print(f"DALI CPU:          not run: {dali['reason']}")
+        notes.append("DALI CPU pipeline not measured: nvidia-dali-cuda120 is not installed here "
+                     "(optional extra `dali`); warm_vs_dali is null")
+
+    ratios = {
+        "warm_vs_naive": warm_rate / results["naive"]["samples_per_s"],
+        "warm_vs_dali": warm_rate / dali["samples_per_s"] if dali["available"] else None,
+        "warm_vs_copy_ceiling": warm_rate / results["copy_ceiling"]["samples_per_s"],
+        "warm_vs_cold": warm_rate / epochs[0]["samples_per_s"],
+        "warm_vs_copy_records": warm_rate / results["copy_records"]["samples_per_s"],
+        # per CPU-second (robust to other jobs' load on this shared machine)
+        "warm_vs_naive_cpu": warm_cpu_rate / results["naive"]["samples_per_cpu_s"],
+        "warm_vs_copy_ceiling_cpu": warm_cpu_rate / results["copy_ceiling"]["samples_per_cpu_s"],
+    }
+    targets = {"warm_vs_naive": 10.0, "warm_vs_dali": 8.0, "warm_vs_copy_ceiling": 0.5}
+    for name, target in targets.items():
+        v = ratios[name]
+        if v is not None and v < target:
+            notes.append(f"target missed: {name} = {v:.2f} < {target}")
+    config = {"images": n, "batch_size": batch, "workers": args.workers, "image_size": SIZE,
+              "short_side": 160, "source_size": "500x375 q90", "quick": args.quick,
+              "decode_backend": ds.stats()["decode_backend"], "dali_installed": dali["available"]}
+    write_results("loader" if not args.quick else "loader_quick", machine=machine, config=config,
+                  results=results, ratios=ratios, notes=notes)
+    labels = ["naive PIL", "DALI CPU", "datacache cold", "datacache warm", "copy ceiling"]
+    values = [results["naive"]["samples_per_s"], dali.get("samples_per_s", 0.0), epochs[0]["samples_per_s"],
+              warm_rate, results["copy_ceiling"]["samples_per_s"]]
+    if not dali["available"]:
+        labels[1] = "DALI CPU\n(not installed)"
+    bar_chart(RESULTS_DIR / ("loader.png" if not args.quick else "loader_quick.png"), labels, values,
+              title=f"{SIZE}px RRC+flip uint8 batches of {batch}, {args.workers} workers ({n} JPEGs)",
+              ylabel="samples/s")
+
+
+if __name__ == "__main__":
+    main()
