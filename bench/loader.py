@@ -22,8 +22,17 @@ processes, measured side by side in one run:
 
 Steady-state epochs are timed (persistent workers, started before the timed epochs), so
 worker start-up is excluded except in the cold epoch, where it is part of the cost. The
-naive, warm and copy epochs run interleaved (two rounds), so load from other jobs on this
-shared machine drifts over all of them alike. Run ``python -m bench.loader`` (full) or ``--quick``.
+naive, warm and copy epochs run interleaved (``ROUNDS`` rounds; in each round one naive epoch,
+then ``FAST_EPOCHS`` epochs each of warm / copy / copy-records, alternating epoch by epoch), so
+load from other jobs on this shared machine drifts over all of them alike; a warm epoch of
+2,000 samples lasts only ~0.2 s, so a few of them are needed for a stable ratio. Rates are
+total samples / total seconds over all of a pipeline's timed epochs.
+
+Before the timed part, :func:`profile_stages` times the warm path's stages for a few batches in
+the main process (one thread, the same work a worker does per batch) and stores the medians
+in ``results.per_batch_ms``. Results are written to a temporary directory and then moved
+into ``bench/results`` (``os.replace``), so an interrupted run never leaves a half-written file.
+Run ``python -m bench.loader`` (full) or ``--quick``.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -41,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from bench.common import RESULTS_DIR, bar_chart, machine_info, print_machine, write_results
+from bench.loader_profile import profile_stages
 from client.augment import AugmentCollate, _new_batch, rrc_params
 from client.dataset import CachedImageNet
 from datacache import synth
@@ -48,6 +59,8 @@ from datacache.config import user_cache_dir
 from datacache.manifest import Manifest
 
 SIZE = 128
+ROUNDS = 3  # interleaved rounds (one naive epoch each)
+FAST_EPOCHS = 3  # warm / copy / copy-records epochs per round (each lasts ~0.1-0.3 s)
 
 
 def worker_init(_: int) -> None:
@@ -79,14 +92,20 @@ class NaivePILDataset(Dataset):
         return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous(), self.targets[i]
 
 
+def copy_windows(images: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the top-left SIZE x SIZE window of each image into its slot of ``out``."""
+    for k, img in enumerate(images):
+        h, w = min(SIZE, int(img.shape[1])), min(SIZE, int(img.shape[2]))  # capped panoramas are smaller
+        out[k, :, :h, :w] = img[:, :h, :w]
+    return out
+
+
 class CopyCollate:
-    """Copy-only ceiling: a SIZE x SIZE window of every cached record straight into the batch."""
+    """Copy-only ceiling: a SIZE x SIZE window of every cached record straight into the batch
+    (the same shared-memory channels_last batch as AugmentCollate, no resize, no flip)."""
 
     def __call__(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = _new_batch(len(batch), SIZE)
-        for k, (img, _) in enumerate(batch):
-            h, w = min(SIZE, int(img.shape[1])), min(SIZE, int(img.shape[2]))  # capped panoramas are smaller
-            out[k, :, :h, :w] = img[:, :h, :w]
+        out = copy_windows([img for img, _ in batch], _new_batch(len(batch), SIZE))
         return out, torch.tensor([lab for _, lab in batch], dtype=torch.int64)
 
 
@@ -240,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the main process only receives batches
     results: dict[str, Any] = {}
     notes = [f"{os.cpu_count()} cores shared with other jobs on this machine: absolute numbers are noisy; "
-             "naive, warm and copy epochs ran interleaved in one process (2 rounds) for the ratios; "
+             f"naive, warm and copy epochs ran interleaved in one process ({ROUNDS} rounds of 1 naive epoch "
+             f"+ {FAST_EPOCHS} alternating warm/copy/copy-records epochs) for the ratios; "
              "the *_cpu ratios use samples per CPU-second of the main + worker processes, which "
              "other jobs' load does not change"]
 
@@ -265,15 +285,21 @@ def main(argv: list[str] | None = None) -> None:
 
     load_before = os.getloadavg()
     dc_epoch(1, dc_loader)  # cold: starting its workers is part of the cold cost
+    profile = profile_stages(ds, batch, SIZE, copy_windows)  # the cache is warm now
+    ds.reset_stats()
+    results["per_batch_ms"] = {"batch_size": batch, "where": "main process, 1 thread, median of 6 batches",
+                               **{k: round(v, 2) for k, v in profile.items()}}
+    print("per batch (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in profile.items()))
     next(iter(naive_loader))  # start the other loaders' persistent workers outside the timed epochs
     next(iter(copy_loader))
     next(iter(records_loader))
     timed: dict[str, list[tuple[float, int, float]]] = {"naive": [], "copy_ceiling": [], "copy_records": []}
-    for r in range(2):  # interleaved rounds: load from other jobs drifts over all pipelines alike
+    for r in range(ROUNDS):  # interleaved rounds: load from other jobs drifts over all pipelines alike
         timed["naive"].append(time_epoch(naive_loader, n, f"naive round {r + 1}"))
-        dc_epoch(2 + r, dc_loader)
-        timed["copy_ceiling"].append(time_epoch(copy_loader, n, f"copy round {r + 1}"))
-        timed["copy_records"].append(time_epoch(records_loader, n, f"copy records round {r + 1}"))
+        for e in range(FAST_EPOCHS):
+            dc_epoch(2 + r * FAST_EPOCHS + e, dc_loader)
+            timed["copy_ceiling"].append(time_epoch(copy_loader, n, f"copy round {r + 1}"))
+            timed["copy_records"].append(time_epoch(records_loader, n, f"copy records round {r + 1}"))
     del naive_loader, dc_loader, copy_loader, records_loader
     load_after = os.getloadavg()
     for name, runs in timed.items():
@@ -282,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         cpu = sum(cp for _, _, cp in runs)
         results[name] = {
             "samples_per_s": cnt / secs, "seconds": secs, "samples": cnt, "cpu_seconds": cpu,
-            "samples_per_cpu_s": cnt / cpu, "per_round": [c / dt for dt, c, _ in runs]}
+            "samples_per_cpu_s": cnt / cpu, "per_epoch": [c / dt for dt, c, _ in runs]}
     print(f"naive PIL:         {results['naive']['samples_per_s']:8.0f} samples/s "
           f"({results['naive']['samples_per_cpu_s']:.0f} per CPU-second)")
     print(f"copy-only ceiling: {results['copy_ceiling']['samples_per_s']:8.0f} samples/s (128x128 window "
@@ -324,15 +350,25 @@ def main(argv: list[str] | None = None) -> None:
     config = {"images": n, "batch_size": batch, "workers": args.workers, "image_size": SIZE,
               "short_side": 160, "source_size": "500x375 q90", "quick": args.quick,
               "decode_backend": ds.stats()["decode_backend"], "dali_installed": dali["available"]}
-    write_results("loader" if not args.quick else "loader_quick", machine=machine, config=config,
-                  results=results, ratios=ratios, notes=notes)
+    name = "loader" if not args.quick else "loader_quick"
+    with tempfile.TemporaryDirectory(dir=RESULTS_DIR) as tmp:  # write, then move: never half-written
+        write_results(name, machine=machine, config=config, results=results, ratios=ratios, notes=notes,
+                      out_dir=tmp)
+        _plot(os.path.join(tmp, name + ".png"), results, epochs, warm_rate, dali, batch, args.workers, n)
+        for ext in (".json", ".png"):
+            os.replace(os.path.join(tmp, name + ext), RESULTS_DIR / (name + ext))
+    print(f"moved {name}.json / {name}.png into {RESULTS_DIR}")
+
+
+def _plot(path: str, results: dict[str, Any], epochs: list[dict[str, Any]], warm_rate: float,
+          dali: dict[str, Any], batch: int, workers: int, n: int) -> None:
     labels = ["naive PIL", "DALI CPU", "datacache cold", "datacache warm", "copy ceiling"]
     values = [results["naive"]["samples_per_s"], dali.get("samples_per_s", 0.0), epochs[0]["samples_per_s"],
               warm_rate, results["copy_ceiling"]["samples_per_s"]]
     if not dali["available"]:
         labels[1] = "DALI CPU\n(not installed)"
-    bar_chart(RESULTS_DIR / ("loader.png" if not args.quick else "loader_quick.png"), labels, values,
-              title=f"{SIZE}px RRC+flip uint8 batches of {batch}, {args.workers} workers ({n} JPEGs)",
+    bar_chart(path, labels, values,
+              title=f"{SIZE}px RRC+flip uint8 batches of {batch}, {workers} workers ({n} JPEGs)",
               ylabel="samples/s")
 
 

@@ -217,7 +217,8 @@ class CachedImageNet(Dataset):
         self._ensure_open()
         man = self.manifest
         out: list[Any] = [None] * len(indices)
-        keys = [self.key(i) for i in indices]
+        prefix = self.key(0)[:-1]  # b"dc:<fingerprint>:<variant>:" (sample_key's format), built once
+        keys = [prefix + b"%d" % i for i in indices]  # ~3x cheaper than one sample_key call per index
         bufs = self._get_many(keys)
         miss: list[int] = []  # positions
         invalid: set[int] = set()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client.augment import AugmentCollate, random_resized_crop_flip, rrc_params
+from client.augment import AugmentCollate, random_resized_crop_flip, rrc_params, rrc_params_batch
 from datacache.config import ConfigError
 
 
@@ -73,3 +73,67 @@ def test_collate_seeded_and_global_rng() -> None:
     g2, _ = AugmentCollate(16)(batch)
     assert torch.equal(g1, g2)
     assert not torch.equal(g1, x1)  # the seeded generator is independent of the global RNG
+
+
+def _reference_box(height: int, width: int, tries: list[list[float]], pos: list[float],
+                   scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params written out per sample, fed with given uniforms."""
+    import math
+
+    area = height * width
+    for u_area, u_ratio in tries:
+        target = area * (scale[0] + (scale[1] - scale[0]) * u_area)
+        aspect = math.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u_ratio)
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return (min(int(pos[0] * (height - h + 1)), height - h),
+                    min(int(pos[1] * (width - w + 1)), width - w), h, w)
+    if width / height < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif width / height > ratio[1]:
+        h, w = height, round(height * ratio[1])
+    else:
+        h, w = height, width
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+@pytest.mark.parametrize("scale", [(0.08, 1.0), (0.5, 0.6), (2.0, 3.0)])
+def test_vectorised_rrc_params_match_per_sample_reference(scale: tuple[float, float]) -> None:
+    g = torch.Generator().manual_seed(4)
+    sizes = [(160, w) for w in torch.randint(1, 330, (400,), generator=g).tolist()]
+    sizes += [(h, 160) for h in range(1, 330, 7)] + [(1, 100), (100, 10), (50, 60), (1, 1)]
+    ratio = (3 / 4, 4 / 3)
+    boxes = rrc_params_batch(sizes, torch.Generator().manual_seed(9), scale, ratio)
+    # the same uniforms, in the same order: [n, 10, 2] tries, then [n, 2] positions
+    g = torch.Generator().manual_seed(9)
+    tries = torch.rand((len(sizes), 10, 2), generator=g).tolist()
+    pos = torch.rand((len(sizes), 2), generator=g).tolist()
+    expected = [_reference_box(h, w, tries[k], pos[k], scale, ratio) for k, (h, w) in enumerate(sizes)]
+    assert [tuple(b) for b in boxes] == expected
+    if scale == (2.0, 3.0):  # every try fails: all rows took the centre-crop fallback
+        assert boxes[-4:] == [(0, 49, 1, 1), ((100 - 13) // 2, 0, 13, 10), (0, 0, 50, 60), (0, 0, 1, 1)]
+    # the one-sample function makes the same draws as one batch row
+    assert rrc_params(160, 213, torch.Generator().manual_seed(3), scale) == \
+        rrc_params_batch([(160, 213)], torch.Generator().manual_seed(3), scale)[0]
+
+
+def test_batch_matches_per_crop_interpolate_for_any_layout() -> None:
+    """Every sample equals F.interpolate of its crop (antialiased only when shrinking), flipped
+    exactly when its flip draw says so, whatever the input's memory layout or storage offset."""
+    g = torch.Generator().manual_seed(2)
+    hwc = [torch.randint(0, 256, (48, 70, 3), dtype=torch.uint8, generator=g).permute(2, 0, 1)
+           for _ in range(6)]
+    chw = [torch.randint(0, 256, (3, 60, 45), dtype=torch.uint8, generator=g) for _ in range(6)]
+    big = torch.randint(0, 256, (90, 100, 3), dtype=torch.uint8, generator=g).permute(2, 0, 1)
+    offset_views = [big[:, 7:70, 11:95], big[:, 30:, :50]]  # views with a storage offset
+    images = hwc + chw + offset_views
+    size = 32
+    out = random_resized_crop_flip(images, size, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    boxes = rrc_params_batch([(int(i.shape[1]), int(i.shape[2])) for i in images], g)
+    flips = (torch.rand(len(images), generator=g) < 0.5).tolist()
+    assert 0 < sum(flips) < len(images)
+    for k, (img, (top, left, h, w)) in enumerate(zip(images, boxes)):
+        crop = img[:, top:top + h, left:left + w].unsqueeze(0)
+        ref = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=h > size or w > size)[0]
+        assert torch.equal(out[k], ref.flip(-1) if flips[k] else ref), k
