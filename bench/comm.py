@@ -5,13 +5,10 @@ namespace A, ranks 2,3 in B (``ip netns exec``), gloo over the veth addresses. P
 bandwidth (1, 10 and 0.2 Gbit/s) it measures, side by side in one run:
 
 1. each link (intra: 0<->1 and 2<->3 at once over loopback; inter: 0<->2 across the veth): raw
-   full-duplex exchanges (``fit_link``, reported) and the comm helper's all_reduce / all_gather /
-   reduce_scatter on a few sizes (``fit_collective`` -> the ``LinkProfile`` the model uses: gloo's
-   collectives differ several-fold on the same link);
-2. per-element compute on all 4 ranks at once (CPU sharing as in the methods): the select phase's
-   ops (residual add, finite check, MSTopK), dense decompression passes, ``index_add_``;
-3. the four methods at d fp32 elements (25M) and density rho (1 %), warm-up + timed iterations,
-   with PhaseTimer's select / communicate / decompress split (like Fig. 8);
+   full-duplex exchanges (``fit_link``) and trainer/comm/collectives.py's all_reduce / all_gather /
+   reduce_scatter on a few sizes (``fit_collective`` -> the model's ``LinkProfile``);
+2. per-element compute on all 4 ranks at once: select ops, dense decompression passes, index_add_;
+3. the four methods at d = 25M fp32, density rho = 1 %, with PhaseTimer's phase split (Fig. 8);
 
 and puts the cost model's prediction (from 1 and 2 only) beside each measurement. Writes
 bench/results/comm.json (+ comm.png). Needs root. ``--quick``: small d, fewer iterations.
@@ -41,11 +38,8 @@ PHASES = ("select", "communicate", "decompress")
 
 # =============================================================== worker (inside a namespace)
 def _timed(fn: Any, reps: int, active: bool = True, mean: bool = True) -> float:
-    """Median seconds of ``fn()`` over ``reps`` barrier-aligned rounds after one warm-up round.
-
-    Only ``active`` ranks call ``fn``; the result is the mean over active ranks (``mean``) or rank
-    0's value, identical on every rank.
-    """
+    """Median seconds of ``fn()`` over ``reps`` barrier-aligned rounds after one warm-up round; only
+    ``active`` ranks call ``fn``; the mean over active ranks (``mean``) or rank 0's value, on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -71,7 +65,8 @@ def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -
     intra: every node's group at once (as in torus/hitopk: loopback on shared cores, so concurrency
     matters); inter: only local rank 0's group (one stream; the model splits the NIC among concurrent
     streams itself). Collective sizes: the buffer for all_reduce / reduce_scatter, each rank's share
-    for all_gather; outputs are fresh, as in the methods.
+    for all_gather; outputs go to buffers allocated once per size, as in the methods (which write
+    into the caller's bucket / reused chunk buffers).
     """
     import torch
     import torch.distributed as dist
@@ -85,19 +80,21 @@ def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -
         active = link == "intra" or topo.local_rank == 0
         peer = (topo.rank ^ 1) if link == "intra" else (topo.rank + topo.local_size) % topo.world_size
 
-        def exchange(x: Any, peer: int = peer) -> None:  # full duplex; irecv first: isend-first
-            recv = torch.empty_like(x)                     # ran half duplex here (2x slower)
+        def exchange(x: Any, o: Any = None, peer: int = peer) -> None:  # full duplex; irecv first:
+            recv = torch.empty_like(x)                     # isend-first ran half duplex here (2x slower)
             for w in [dist.irecv(recv, peer), dist.isend(x, peer)]:
                 w.wait()
 
-        fns = {"": exchange, "_all_reduce": lambda x, g=group: all_reduce_sum_(x, g),
-               "_all_gather": lambda x, g=group: all_gather_flat(x, g),
-               "_reduce_scatter": lambda x, g=group: reduce_scatter_sum(x, g)}
+        p = dist.get_world_size(group)
+        fns = {"": exchange, "_all_reduce": lambda x, o, g=group: all_reduce_sum_(x, g),
+               "_all_gather": lambda x, o, g=group: all_gather_flat(x, g, out=o),
+               "_reduce_scatter": lambda x, o, g=group, p=p: reduce_scatter_sum(x, g, out=o[:x.numel() // p])}
         for suffix, fn in fns.items():
             times = []
             for nb in sizes:
-                x = torch.ones(nb // 4)
-                times.append(_timed(lambda fn=fn, x=x: fn(x), reps, active, mean=not suffix))
+                x, o = torch.ones(nb // 4), torch.empty(p * nb // 4)
+                times.append(_timed(lambda fn=fn, x=x, o=o: fn(x, o), reps, active,
+                                    mean=not suffix))
             out[link + suffix] = {"sizes_bytes": sizes, "times_s": times}
     return out
 
@@ -119,33 +116,34 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
         out[kind]["times"].append(_timed(fn, reps))
 
     def select(x: Any, r: Any, k: int) -> None:
-        y = x + r                     # gradient + error-feedback residual
-        torch.isfinite(y.sum())       # the non-finite check
+        y = torch.add(x, r, out=ybuf[:x.numel()])  # gradient + residual, reused buffer (as the methods)
+        torch.isfinite(y.sum())                     # the non-finite check
         sel(y, k)
 
+    ybuf = torch.empty(d)
     for frac in (4, 2, 1):
         n = d // frac
         x, r = flat[:n], res[:n]
         add("select", n, lambda x=x, r=r, n=n: select(x, r, max(1, round(rho * n))))
-        rbuf = torch.zeros(n)  # the residual being written back (in place, as the methods do)
-        add("dense", n, lambda x=x, rb=rbuf, n=n: (torch.zeros(n).masked_fill_(bad, 0.0),
-                                                   rb.copy_(torch.where(bad, rb, x))))
+        # decompression's dense passes as in the methods: zero the reused output, write the residual back
+        rbuf, obuf = torch.zeros(n), torch.zeros(n)
+        add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x) if not bad else None))
         kk = world * max(1, round(rho * d)) // frac
-        idx = torch.randint(0, d, (kk,), generator=g, dtype=torch.int32)
-        vals = torch.randn(kk, generator=g)
+        idx, vals = torch.randint(0, d, (kk,), generator=g, dtype=torch.int32), torch.randn(kk, generator=g)
         dst = torch.zeros(d)
         add("scatter", kk, lambda idx=idx, vals=vals, dst=dst: dst.index_add_(0, idx.long(), vals.float()))
     return out
 
 
 def _run_method(name: str, flat: Any, topo: Any, rho: float, residual: Any, timer: Any) -> Any:
+    """One aggregation of ``flat``, in place as the DDP hooks run it (``flat`` is the scratch bucket)."""
     from trainer.comm import allreduce, hitopk, naive_ag, torus
 
     if name in ("allreduce", "torus"):
         fn = allreduce.allreduce_dense if name == "allreduce" else torus.torus_allreduce
-        return fn(flat, topo, timer=timer)
+        return fn(flat, topo, timer=timer, inplace=True)
     fn = naive_ag.naive_ag if name == "naive_ag" else hitopk.hitopk
-    return fn(flat, topo, density=rho, selector="mstopk", residual=residual, timer=timer)
+    return fn(flat, topo, density=rho, selector="mstopk", residual=residual, timer=timer, inplace=True)
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -168,8 +166,8 @@ def worker(a: argparse.Namespace) -> None:
     res["links"] = _measure_links(topo, [int(s) for s in a.link_sizes], a.link_reps, a.inter_max_bytes)
     res["compute"] = _measure_compute(a.d, a.rho, world, a.compute_reps)
 
-    g = torch.Generator().manual_seed(100 + rank)
-    flat = torch.randn(a.d, generator=g)
+    flat = torch.randn(a.d, generator=torch.Generator().manual_seed(100 + rank))
+    bucket = torch.empty_like(flat)  # the hooks' bucket buffer: refilled (untimed) every iteration
     from tqdm import tqdm
 
     bar = tqdm(total=len(METHODS) * (a.warmup + a.iters), desc=f"comm {a.tag}", file=sys.stderr,
@@ -181,18 +179,17 @@ def worker(a: argparse.Namespace) -> None:
         e2e, phases = [], []
         for it in range(a.warmup + a.iters):
             timer = PhaseTimer()
+            bucket.copy_(flat)  # backward's fresh gradient (not timed; methods write in place)
             dist.barrier()
             t0 = time.perf_counter()
-            _run_method(name, flat, topo, a.rho, residual, timer)
+            _run_method(name, bucket, topo, a.rho, residual, timer)
             t = time.perf_counter() - t0
             if it >= a.warmup:
                 e2e.append(t)
                 phases.append([timer.totals()[p] for p in PHASES])
             bar.update(1)
-        e2e_t = torch.tensor(e2e, dtype=torch.float64)
-        dist.all_reduce(e2e_t, op=dist.ReduceOp.MAX)   # an iteration ends when its slowest rank does
-        ph = torch.tensor(phases, dtype=torch.float64)
-        dist.all_reduce(ph)
+        dist.all_reduce(e2e_t := torch.tensor(e2e, dtype=torch.float64), op=dist.ReduceOp.MAX)  # slowest rank
+        dist.all_reduce(ph := torch.tensor(phases, dtype=torch.float64))
         ph /= world                                      # phase split: mean over ranks
         res["methods"][name] = {"e2e_s": e2e_t.tolist(),
                                 "phases_s": dict(zip(PHASES, ph.mean(dim=0).tolist()))}
@@ -222,8 +219,7 @@ def _launch(pair: Any, a: argparse.Namespace, tag: str, port: int, rate: float) 
                     # below 1 Gbit/s the largest inter sizes would take seconds each: cap them
                     "--inter-max-bytes", str(max(2**22, int(min(1.0, rate) * max(a.link_sizes)))),
                     "--link-sizes", *map(str, a.link_sizes)]
-            log = open(Path(tmp) / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed below)
-            logs.append(log)
+            logs.append(log := open(Path(tmp) / f"rank{rank}.log", "w+"))  # noqa: SIM115 (closed below)
             procs.append(subprocess.Popen(pair.exec_argv(side, argv), cwd=ROOT, env=env, stdout=log,
                                           stderr=None if rank == 0 else log))
         deadline = time.monotonic() + a.timeout
@@ -252,6 +248,7 @@ def _launch(pair: Any, a: argparse.Namespace, tag: str, port: int, rate: float) 
 
 def _analyse(raw: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     from trainer.comm import cost_model as cm
+    from trainer.comm.hitopk import choose_final_gather
 
     L = raw["links"]
     raw_links = {k: cm.fit_link(L[k]["sizes_bytes"], L[k]["times_s"]) for k in ("intra", "inter")}
@@ -265,9 +262,11 @@ def _analyse(raw: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"links": {k: asdict(v) for k, v in profiles.items()},
                            "raw_links_exchange": {k: asdict(v) for k, v in raw_links.items()},
                            "compute": asdict(compute), "raw": raw, "methods": {}}
+    c2 = math.ceil(a.d / 2)  # the model follows hitopk's own choice of final gather (dense / eq. 10)
+    fg = choose_final_gather(c2, max(1, round(a.rho * c2)), 2, False)
     for name in METHODS:
-        meas = raw["methods"][name]
-        pred = cm.predict(name, a.d, a.rho, 2, 2, profiles["intra"], profiles["inter"], compute)
+        meas, kw = raw["methods"][name], {"final_gather": fg}
+        pred = cm.predict(name, a.d, a.rho, 2, 2, profiles["intra"], profiles["inter"], compute, **kw)
         e2e = statistics.median(meas["e2e_s"])
         out["methods"][name] = {"measured_s": e2e, "measured_phases_s": meas["phases_s"],
                                 "predicted": pred, "model_error": abs(pred["total"] - e2e) / e2e}
@@ -319,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    for flag in ("--tag", "--result"):
+        ap.add_argument(flag, default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)
@@ -358,32 +357,33 @@ def main(argv: list[str] | None = None) -> int:
     model_params = {"m": 2, "n": 2, "intra": first["links"]["intra"], "compute": first["compute"],
                     "inter": {tag: r["links"]["inter"] for tag, r in results.items()}}
     notes = [
-        "4 ranks (2 namespaces x 2) share this machine's CPU cores with each other and with other jobs: "
-        "torch threads = 1 per rank; compute phases (select, decompress, local sums) are inflated by CPU "
-        "sharing compared with one GPU per rank.",
-        "Intra link = loopback TCP inside a namespace (no NVLink, ~1-2 GB/s here); inter link = veth shaped "
-        "by tbf on each egress; no netem, so no latency beyond the veth's own.",
-        "Model inputs, all measured before and apart from the method timings: per-collective alpha/beta "
-        "(all_reduce, all_gather, reduce_scatter on each link), compute per element (micro-measurements "
-        "on all ranks at once). Nothing is fitted to the methods' own timings.",
-    ]
+        "4 ranks (2 namespaces x 2) share the CPU cores with each other and other jobs (1 torch thread per"
+        " rank): compute (select, decompress, local sums) is inflated vs one GPU per rank.",
+        "Intra link = loopback TCP in a namespace (no NVLink, ~1-2 GB/s); inter = veth shaped by tbf on each"
+        " egress, no netem. Model inputs (alpha/beta per collective and link, compute per element) are"
+        " measured before and apart from the method timings; nothing is fitted to the methods' timings.",
+        "All methods run in place on a scratch bucket refilled (untimed) each iteration, as the DDP hooks run"
+        " them; gloo groups of <= 8 ranks use collectives.py's irecv-first direct exchange."]
     missed = [f"{k} = {ratios[k]:.2f} < {t}" for k, t in (("hitopk_vs_dense_1gbit", 3.0),
               ("hitopk_vs_torus_1gbit", 2.0), ("hitopk_vs_naiveag_1gbit", 2.0)) if ratios.get(k, t) < t]
     if missed and "1gbit" in results:
-        ph = results["1gbit"]["methods"]["hitopk"]["measured_phases_s"]
+        h, g = ({p: f"{1e3 * v:.0f}" for p, v in results["1gbit"]["methods"][m]["measured_phases_s"].items()}
+                for m in ("hitopk", "naive_ag"))
         notes.append(
-            f"targets missed: {'; '.join(missed)}. Why: dense is link-bound at 1 Gbit/s, but HiTopKComm pays "
-            f"{1e3 * (ph['select'] + ph['decompress']):.0f} ms of MSTopK + scatter/dense passes on shared CPU"
-            f" cores and {1e3 * ph['communicate']:.0f} ms communicating, mostly gloo's intra reduce-scatter/"
-            "all-gather over loopback (an intra link only ~5-10x faster than 1 Gbit/s here, vs ~30x for "
-            "NVLink:25GbE); with 2 nodes NaiveAG's all-gather spans 4 ranks only, so it is not network-bound "
-            "either. The lower-bandwidth ratios show the crossover.")
+            f"targets missed: {'; '.join(missed)}. Why: with 2 nodes NaiveAG's all-gather spans 4 ranks only"
+            f" ({g['communicate']} ms), so it is compute-bound (select {g['select']}, decompress"
+            f" {g['decompress']} ms); HiTopKComm's floor: its dense intra reduce-scatter (+ last gather) over"
+            f" loopback on shared cores ({h['communicate']} ms communicating; select {h['select']},"
+            f" decompress {h['decompress']} ms): loopback is ~5-10x a 1 Gbit/s link here, NVLink ~30x 25GbE.")
     for tag, r in results.items():  # the model target (25 %) is checked at every bandwidth
         worst = max(METHODS, key=lambda m: r["methods"][m]["model_error"])
         w = r["methods"][worst]
+        why = ("the 4-rank gloo ring is CPU-bound on 2 shared cores; the model charges max(intra, inter) per"
+               " step" if worst == "allreduce" else "compute on shared cores varies between runs")
         if w["model_error"] > 0.25:
             notes.append(f"model error {w['model_error']:.2f} > 0.25 at {tag}: {worst} predicted "
-                         f"{1e3 * w['predicted']['total']:.0f} ms, measured {1e3 * w['measured_s']:.0f} ms")
+                         f"{1e3 * w['predicted']['total']:.0f} ms, measured {1e3 * w['measured_s']:.0f} ms"
+                         f" ({why})")
     out_dir = Path(a.out_dir) if a.out_dir else ROOT / "bench" / "results"
     config = {"d": a.d, "rho": a.rho, "iters": a.iters, "warmup": a.warmup, "rates_gbit": a.rates,
               "nodes": 2, "ranks_per_node": 2, "selector": "mstopk", "quick": a.quick,

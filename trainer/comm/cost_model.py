@@ -7,8 +7,8 @@ ring reduce-scatter of B bytes among p ``(p-1) α + (p-1)/p B β`` (eq. 7); all-
 rank ``⌈log2 p⌉ α + (p-1) b β`` (eqs. 3, 9, 10); ring all-reduce ``2(p-1) α + 2(p-1)/p B β``.
 Deliberate differences from the paper (docs/cost_model.md): sparse pairs are packed in ONE
 all-gather (8 bytes, 6 with fp16 values); the ``n`` inter streams of torus/hitopk share one NIC
-(``nic_shared``, each sees ``n β``); HiTopKComm's last step gathers the dense ``d/n`` chunk (as
-hitopk.py does; ``final_gather="sparse"`` is eq. 10); optional per-element compute terms
+(``nic_shared``, each sees ``n β``); HiTopKComm's last step gathers the dense ``d/n`` chunk by
+default (``final_gather="sparse"`` is eq. 10; hitopk.choose_final_gather picks per call); compute terms
 (:class:`ComputeParams`) for selection, decompression, scatter-add and local sums.
 """
 
@@ -201,8 +201,9 @@ def predict_config(cfg: CostConfig, intra: Link, inter: Link,
         if cfg.final_gather == "dense":
             t4 = all_gather_time(4.0 * dn, n, ia.all_gather)
         else:                                                                                     # eq. 10
+            # every rank scatter-adds all n*m*k~ pairs into its zeroed d-vector (no chunk pass)
             t4 = all_gather_time(pair * m * kt, n, ia.all_gather)
-            dec += d * c.dense_s_per_elem + n * m * kt * c.scatter_s_per_elem
+            dec = d * c.dense_s_per_elem + n * m * kt * c.scatter_s_per_elem
         comm = t1 + t3 + t4
     return {"select": sel, "communicate": comm, "decompress": dec, "total": sel + comm + dec}
 

@@ -6,7 +6,12 @@ With ``m`` nodes of ``n`` ranks and a d-element gradient:
 2. top-k selection on that chunk (+ error-feedback residual), ``k = round(density * d / n)``;
 3. inter-node all-gather of ``(values, int32 indices)`` among the ranks with local rank j
    (one packed call), then scatter-add of the ``m * k`` entries into a zero chunk;
-4. intra-node all-gather of the chunks: every rank holds the same d-element sum.
+4. intra-node all-gather: every rank holds the same d-element sum. Either of the dense d/n
+   chunks (after the scatter-add), or, as in eq. 10, of the ``m * k`` gathered pairs, which
+   every rank then scatter-adds into a zeroed d-vector; ``final_gather="auto"`` takes the
+   sparse form when its packet is at most half the dense chunk's bytes (ρ < 1/(4m) in fp32).
+   Measured on the 2 x 2 netns bench (ρ = 1 %, 25M): the dense form's 50 MB loopback gather
+   dominated HiTopK's communicate phase; the sparse one sends 2 MB.
 
 Padding: ``d`` not divisible by ``n`` is zero-padded to the next multiple (the padded tail is
 cut off at the end; a padded zero may be picked only when the chunk has fewer than k
@@ -20,28 +25,38 @@ transfer overlaps the selection of piece p+1. All handles are waited before the 
 Top-k per piece is not the same as top-k of the whole chunk (same total density).
 
 Non-finite values (``check_finite``): the slice flag (NaN/inf in my node's chunk sum) rides in
-the first inter packet (one fp32), and the per-chunk verdicts are summed over the node by a
-1-element intra all-reduce launched asynchronously alongside the final all-gather (so its
-latency hides behind the big transfer, and the gathered buffer stays a plain, copy-free
-vector). Any flag set: every rank returns zeros and keeps its residual.
+the first inter packet (one fp32); the column verdicts ride in the sparse final packet, or
+(dense final gather) are summed over the node by a 1-element intra all-reduce right after
+the inter gather (one small-message latency). The
+verdict then zeroes the small gathered values before the scatter-add, so a skipped step
+yields zeros everywhere without a dense masking pass over the output. Any flag set: every
+rank returns zeros and keeps its residual.
+
+Buffers (measured on the 2x2 netns bench, 25M fp32: fresh 50-100 MB buffers cost page faults
+that doubled some steps): the compensated chunk lives in a reused workspace buffer, the
+error-feedback add is folded into the reduce-scatter's local sum, and with ``inplace=True``
+(the DDP hooks) my output chunk is built inside ``flat`` and the final all-gather fills the
+rest of ``flat`` directly: no output allocation and no copy.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from trainer.comm.collectives import (
+    WORKSPACE,
     PendingGather,
     all_gather_flat,
     all_gather_packed,
-    group_size,
+    all_reduce_sum_,
+    group_rank,
     pad_to_multiple,
     reduce_scatter_sum,
 )
 from trainer.comm.sparse_common import (
     choose_k,
+    mask_values_,
     nonfinite_flag,
     sanitize_,
     select,
@@ -50,6 +65,8 @@ from trainer.comm.sparse_common import (
 )
 from trainer.comm.timing import PhaseTimer, maybe_phase
 from trainer.comm.topology import Topology
+
+FINAL_GATHER_CHOICES = ("auto", "dense", "sparse")
 
 
 def slice_numel(d: int, local_size: int) -> int:
@@ -63,27 +80,56 @@ def partition_bounds(c: int, partition_numel: int, local_size: int) -> list[tupl
     return [(a, min(a + step, c)) for a in range(0, c, step)] or [(0, 0)]
 
 
+def choose_final_gather(c: int, k: int, m: int, fp16: bool, final_gather: str = "auto") -> str:
+    """Step 4's form for a chunk of ``c`` elements with ``k`` picks per node: "dense" or "sparse".
+
+    ``"auto"`` picks "sparse" (eq. 10: the ``m * k`` value/index pairs) when that packet is at
+    most half the dense chunk's bytes; the margin pays for sparse decompression's extra work
+    (zero-filling all d elements and scatter-adding ``n * m * k`` pairs instead of ``m * k``).
+    """
+    if final_gather not in FINAL_GATHER_CHOICES:
+        raise ValueError(f"final_gather={final_gather!r}; choose one of {', '.join(FINAL_GATHER_CHOICES)}")
+    if final_gather != "auto":
+        return final_gather
+    pair_bytes = (2 if fp16 else 4) + 4
+    return "sparse" if 2 * m * k * pair_bytes <= 4 * c else "dense"
+
+
 def hitopk_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
               residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
-              partition_numel: int = 0, check_finite: bool = True) -> tuple[Tensor, Tensor | None]:
+              partition_numel: int = 0, check_finite: bool = True, inplace: bool = False,
+              final_gather: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Like :func:`hitopk` but also returns the global non-finite flag (0-d bool, or None)."""
     d = flat.numel()
     n = topo.local_size
+    me = group_rank(topo.intra)
     c = slice_numel(d, n)
     if residual is not None and residual.numel() != c:
         raise ValueError(f"hitopk: residual has {residual.numel()} elements, expected {c} "
                          f"(= ceil({d} / local_size {n}), this rank's chunk)")
-    padded = pad_to_multiple(flat.float(), n)
+    bounds = partition_bounds(c, partition_numel, n)
+    # Validated before any communication (a bad value raises on every rank, no hang).
+    mode = choose_final_gather(c, sum(choose_k(density, b - a) for a, b in bounds), topo.num_nodes, fp16,
+                               final_gather)
+    src = flat.float()
+    padded = src if d == n * c else pad_to_multiple(src, n)
+    # Output buffer: the caller's fp32 tensor itself when it may be overwritten and needs no
+    # padding (the DDP hook's bucket: no copy at the end), else a fresh one.
+    direct = inplace and padded is flat
+    full = flat if direct else torch.empty(n * c, dtype=torch.float32, device=flat.device)
+    # Scratch for the compensated chunk x (HAZARD: workspace, reused by the next call).
+    x = WORKSPACE.get("hitopk_x", c, torch.float32, flat.device)
     with maybe_phase(timer, "communicate"):
-        chunk = reduce_scatter_sum(padded, topo.intra)  # step 1 (gloo: all_to_all + local sum)
+        # Step 1 (+ error feedback folded into the same pass): x = node sum of chunk me + residual.
+        # reduce_scatter_sum only reads `padded`, so `flat` is intact until step 4 writes it.
+        reduce_scatter_sum(padded, topo.intra, out=x, add=residual)
     with maybe_phase(timer, "select"):
-        x = chunk + residual if residual is not None else chunk  # fresh tensor when compensated
         flag = nonfinite_flag(x) if check_finite else None
-        if flag is not None:  # `chunk` is scratch unless local_size == 1 (then it may be `flat`)
-            x = sanitize_(x, flag, owned=residual is not None or chunk is not flat)
+        if flag is not None:
+            x = sanitize_(x, flag, owned=True)
     picks: list[tuple[Tensor, Tensor, Tensor]] = []
     pending: list[PendingGather] = []
-    for p, (a, b) in enumerate(partition_bounds(c, partition_numel, n)):
+    for p, (a, b) in enumerate(bounds):
         with maybe_phase(timer, "select"):  # step 2, piece by piece
             values, idx = select(x[a:b], choose_k(density, b - a), selector)
             if a:
@@ -97,35 +143,59 @@ def hitopk_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "
                                          async_op=True))
     with maybe_phase(timer, "communicate"):
         gathered = [pg.wait() for pg in pending]
-    with maybe_phase(timer, "decompress"):
-        out_chunk = torch.zeros(c, dtype=torch.float32, device=flat.device)
-        for g_vals, g_idx, _ in gathered:
-            out_chunk.index_add_(0, g_idx.reshape(-1).long(), g_vals.reshape(-1).float())
         col_flag = gathered[0][2].sum().reshape(1) if check_finite else None  # over nodes
-    with maybe_phase(timer, "communicate"):
-        flag_work = None
-        if col_flag is not None and group_size(topo.intra) > 1:
-            flag_work = dist.all_reduce(col_flag, group=topo.intra, async_op=True)
-        full = all_gather_flat(out_chunk, topo.intra)  # step 4
-        if flag_work is not None:
-            flag_work.wait()
+    if mode == "sparse":  # eq. 10: gather the m*k pairs of every column, scatter-add into d
+        with maybe_phase(timer, "communicate"):
+            vals = torch.cat([g[0].reshape(-1) for g in gathered])
+            idx_all = torch.cat([g[1].reshape(-1) for g in gathered])
+            # The column verdicts ride in the same packet: no separate flag all-reduce.
+            f_vals, f_idx, f_extra = all_gather_packed(vals, idx_all, topo.intra, extras=col_flag).wait()
+            bad = (f_extra.sum() > 0) if f_extra is not None else None
+        with maybe_phase(timer, "decompress"):
+            full.zero_()
+            offsets = torch.arange(f_idx.shape[0], device=flat.device, dtype=torch.long).unsqueeze(1) * c
+            full.index_add_(0, (f_idx.long() + offsets).reshape(-1),
+                            mask_values_(f_vals.reshape(-1).float(), bad))  # skipped: all zeros
+    else:  # dense chunk: scatter-add my column, then all-gather the d/n chunks
+        bad = None
+        if col_flag is not None:
+            # Verdict over the node's columns: a 1-element intra all-reduce BEFORE decompressing,
+            # so the mask hits the small gathered values instead of the d-element output.
+            with maybe_phase(timer, "communicate"):
+                all_reduce_sum_(col_flag, topo.intra)
+                bad = col_flag[0] > 0
+        with maybe_phase(timer, "decompress"):
+            out_chunk = full[me * c:(me + 1) * c]  # my chunk of the output, written in place
+            out_chunk.zero_()
+            for g_vals, g_idx, _ in gathered:
+                vals = mask_values_(g_vals.reshape(-1).float(), bad)  # skipped: zeros everywhere
+                out_chunk.index_add_(0, g_idx.reshape(-1).long(), vals)
+        with maybe_phase(timer, "communicate"):
+            all_gather_flat(out_chunk, topo.intra, out=full)  # step 4 (gloo: irecv-first exchange)
     with maybe_phase(timer, "decompress"):
-        out = full[:d]
-        bad = (col_flag[0] > 0) if col_flag is not None else None
-        if bad is not None:
-            out.masked_fill_(bad, 0.0)  # no host sync: the mask is a device tensor
         if residual is not None:
             update_residual(residual, x, picks, bad)
+        if direct:
+            return flat, bad
+        out = full[:d]
+        if inplace:
+            flat.copy_(out)
+            return flat, bad
     return out, bad
 
 
 def hitopk(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
            residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
-           partition_numel: int = 0, check_finite: bool = True) -> Tensor:
+           partition_numel: int = 0, check_finite: bool = True, inplace: bool = False,
+           final_gather: str = "auto") -> Tensor:
     """Element-wise SUM over ranks, aggregated hierarchically with top-k on the inter-node hop.
 
     ``residual`` (fp32, :func:`slice_numel` elements) is updated in place. ``partition_numel``
-    > 0 pipelines selection and inter-node transfer (see the module docstring).
+    > 0 pipelines selection and inter-node transfer (see the module docstring). ``inplace``:
+    the result is written into ``flat`` (fp32; the DDP hooks own their bucket buffer), which
+    saves an output allocation; otherwise ``flat`` is left untouched. ``final_gather``: step 4
+    as a dense chunk all-gather or eq. 10's sparse one (:func:`choose_final_gather`).
     """
     return hitopk_ex(flat, topo, density=density, selector=selector, residual=residual, fp16=fp16,
-                     timer=timer, partition_numel=partition_numel, check_finite=check_finite)[0]
+                     timer=timer, partition_numel=partition_numel, check_finite=check_finite,
+                     inplace=inplace, final_gather=final_gather)[0]

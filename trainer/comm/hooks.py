@@ -20,7 +20,11 @@ How the ranks agree without extra round trips:
   reduced sum that every rank receives, so all ranks reach the same verdict from the same data.
 * naive_ag / hitopk: the top-k may not pick a NaN, so the verdict travels explicitly: one fp32
   flag inside the packed all-gather packet (4 bytes, no extra message); HiTopK adds a 1-element
-  intra-node all-reduce that runs concurrently with its final all-gather (see hitopk.py).
+  intra-node all-reduce before decompressing (see hitopk.py). The verdict zeroes the small
+  gathered values, so no dense masking pass over the bucket is needed.
+
+Buffers: every method writes its result into the bucket buffer the hook owns (``inplace=True``):
+no output allocation and, for torus / HiTopK, the final all-gather lands directly in the bucket.
 
 The flags stay on the device; ``state.finish_step()`` (called by ``maybe_step``) reads them:
 THAT is the one host sync per step, outside the hooks.
@@ -38,7 +42,7 @@ from torch import Tensor, nn
 
 from trainer.comm.allreduce import allreduce_dense
 from trainer.comm.error_feedback import ErrorFeedback, bucket_key
-from trainer.comm.hitopk import hitopk_ex
+from trainer.comm.hitopk import FINAL_GATHER_CHOICES, hitopk_ex
 from trainer.comm.naive_ag import naive_ag_ex
 from trainer.comm.selectors import SELECTOR_CHOICES
 from trainer.comm.switch import METHOD_CHOICES, MethodSchedule
@@ -60,8 +64,10 @@ class HookState:
     error_feedback: keep residuals of what top-k did not send; nan_check: see module doc;
     min_numel_for_sparse: buckets smaller than this go dense (all-reduce) because a sparse
     packet of a tiny bucket saves nothing and top-k has a fixed cost; partition_numel: HiTopK
-    pipelining piece size in bucket elements (0 = off); schedule: optional ``MethodSchedule``
-    (then ``method`` is ignored and :func:`~trainer.comm.switch.switch_hook` is used);
+    pipelining piece size in bucket elements (0 = off); final_gather: HiTopK's last intra-node
+    step, "dense" chunks, "sparse" pairs (eq. 10) or "auto" (see hitopk.choose_final_gather);
+    schedule: optional ``MethodSchedule`` (then ``method`` is ignored and
+    :func:`~trainer.comm.switch.switch_hook` is used);
     timer: optional ``PhaseTimer`` (adds device syncs on CUDA: benchmarks only);
     dense_first_step: reduce the first step after :func:`register` densely even for a sparse
     method (a "layout warm-up"): DDP rebuilds its buckets after its first iteration, so
@@ -77,6 +83,7 @@ class HookState:
     nan_check: bool = True
     min_numel_for_sparse: int = 4096
     partition_numel: int = 0
+    final_gather: str = "auto"
     dense_first_step: bool = True
     schedule: MethodSchedule | None = None
     timer: PhaseTimer | None = None
@@ -101,6 +108,9 @@ class HookState:
                              f"choose one of {', '.join(SELECTOR_CHOICES)}")
         if not (0.0 < float(self.density) <= 1.0):
             raise ValueError(f"HookState.density={self.density!r}; must be in (0, 1], e.g. 0.01 for 1 %")
+        if self.final_gather not in FINAL_GATHER_CHOICES:
+            raise ValueError(f"HookState.final_gather={self.final_gather!r}; "
+                             f"choose one of {', '.join(FINAL_GATHER_CHOICES)}")
         if self.min_numel_for_sparse < 0 or self.partition_numel < 0:
             raise ValueError("HookState.min_numel_for_sparse and partition_numel must be >= 0")
         if self.schedule is not None and not isinstance(self.schedule, MethodSchedule):
@@ -201,10 +211,12 @@ def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Futu
         key = state.key_for(bucket)
         residual = (state.ef.residual(key, method=method, numel=flat.numel(), topo=topo, device=flat.device)
                     if state.error_feedback else None)
+        # inplace: the hook owns the bucket buffer, so the result is built inside it (no copy).
         common = dict(density=state.density, selector=state.selector, residual=residual, fp16=state.fp16,
-                      timer=state.timer, check_finite=state.nan_check)
+                      timer=state.timer, check_finite=state.nan_check, inplace=True)
         if method == "hitopk":
-            out, bad = hitopk_ex(flat, topo, partition_numel=state.partition_numel, **common)
+            out, bad = hitopk_ex(flat, topo, partition_numel=state.partition_numel,
+                                 final_gather=state.final_gather, **common)
         else:
             out, bad = naive_ag_ex(flat, topo, **common)
         if bad is not None:

@@ -8,7 +8,10 @@ why HiTopKComm exists; this is the baseline of Shi et al. Fig. 7.
 
 Sizes: any ``d >= 1`` works (no padding needed: every rank sends exactly k entries).
 Non-finite values: with ``check_finite`` every packet carries one fp32 flag; if any rank's
-input holds NaN/inf, every rank returns zeros and leaves its residual unchanged.
+input holds NaN/inf, every rank returns zeros and leaves its residual unchanged (the verdict
+zeroes the small gathered values, so no dense masking pass over the output is needed).
+Buffers: the compensated vector lives in a reused workspace buffer; ``inplace=True`` (the
+DDP hooks) builds the output inside ``flat`` (no allocation, no copy).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.comm.collectives import all_gather_packed
+from trainer.comm.collectives import WORKSPACE, all_gather_packed
 from trainer.comm.sparse_common import (
     choose_k,
+    mask_values_,
     nonfinite_flag,
     sanitize_,
     select,
@@ -32,14 +36,19 @@ from trainer.comm.topology import Topology
 
 def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
                 residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
-                check_finite: bool = True) -> tuple[Tensor, Tensor | None]:
+                check_finite: bool = True, inplace: bool = False) -> tuple[Tensor, Tensor | None]:
     """Like :func:`naive_ag` but also returns the global non-finite flag (0-d bool, or None)."""
     d = flat.numel()
     if residual is not None and residual.numel() != d:
         raise ValueError(f"naive_ag: residual has {residual.numel()} elements, expected {d} (numel of flat)")
     world = dist.group.WORLD if dist.is_initialized() else None
     with maybe_phase(timer, "select"):
-        x = flat.float() + residual if residual is not None else flat.float()
+        src = flat.float()
+        if residual is not None:
+            # HAZARD: workspace scratch, reused by the next call of this size on this thread.
+            x = torch.add(src, residual, out=WORKSPACE.get("naive_ag_x", d, torch.float32, flat.device))
+        else:
+            x = src
         flag = nonfinite_flag(x) if check_finite else None
         if flag is not None:
             x = sanitize_(x, flag, owned=residual is not None)
@@ -48,22 +57,29 @@ def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str =
     with maybe_phase(timer, "communicate"):
         g_vals, g_idx, g_extra = all_gather_packed(sent, idx, world, extras=flag).wait()
     with maybe_phase(timer, "decompress"):
-        out = torch.zeros(d, dtype=torch.float32, device=flat.device)
-        out.index_add_(0, g_idx.reshape(-1).long(), g_vals.reshape(-1).float())
+        # `flat` was only read above (selection done, packets sent), so it may hold the output.
+        out = flat if inplace and flat.dtype == torch.float32 else torch.empty(d, dtype=torch.float32,
+                                                                               device=flat.device)
+        out.zero_()
         bad = (g_extra.sum() > 0) if g_extra is not None else None
-        if bad is not None:
-            out.masked_fill_(bad, 0.0)  # no host sync: the mask is a device tensor
+        # Skipped step: zero the small gathered values, not the d-element output (no host sync).
+        vals = mask_values_(g_vals.reshape(-1).float(), bad)
+        out.index_add_(0, g_idx.reshape(-1).long(), vals)
         if residual is not None:
             update_residual(residual, x, [(idx, values, sent)], bad)
+        if inplace and out is not flat:
+            flat.copy_(out)
+            out = flat
     return out, bad
 
 
 def naive_ag(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
              residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
-             check_finite: bool = True) -> Tensor:
+             check_finite: bool = True, inplace: bool = False) -> Tensor:
     """Element-wise SUM over ranks of each rank's top-k sparsified ``flat`` (+ ``residual``).
 
     ``residual`` (fp32, numel of ``flat``) is updated in place to ``flat + residual - sent``.
+    ``inplace``: write the result into ``flat`` (the DDP hooks own their bucket buffer).
     """
     return naive_ag_ex(flat, topo, density=density, selector=selector, residual=residual, fp16=fp16,
-                       timer=timer, check_finite=check_finite)[0]
+                       timer=timer, check_finite=check_finite, inplace=inplace)[0]

@@ -6,7 +6,9 @@ links carry ``d/n`` elements per rank instead of ``d``. Padding: a vector whose 
 a multiple of ``local_size`` is zero-padded at the end for the intra steps and the padding is
 cut off before returning (zeros do not change a sum). ``fp16=True`` casts the payload to
 float16 for all three steps and returns fp32. The input is never modified unless
-``inplace=True`` (then the result is also written back into ``flat``).
+``inplace=True``; then (fp32, no padding: the DDP hook's bucket) the reduce-scatter result is
+written into my chunk of ``flat`` and the final all-gather fills the rest of ``flat``
+directly, so no output buffer is allocated or copied.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.comm.collectives import all_gather_flat, all_reduce_sum_, pad_to_multiple, reduce_scatter_sum
+from trainer.comm.collectives import (
+    all_gather_flat,
+    all_reduce_sum_,
+    group_rank,
+    pad_to_multiple,
+    reduce_scatter_sum,
+)
 from trainer.comm.timing import PhaseTimer, maybe_phase
 from trainer.comm.topology import Topology
 
@@ -26,13 +34,19 @@ def torus_allreduce(flat: Tensor, topo: Topology, *, timer: PhaseTimer | None = 
     n = topo.local_size
     buf = flat.to(torch.float16) if fp16 else flat
     padded = pad_to_multiple(buf, n)
+    c = padded.numel() // n
+    # Output: the caller's tensor itself when allowed and shape/dtype fit (no copy at the end).
+    direct = inplace and padded is flat and flat.dtype == torch.float32
+    full = flat if direct else torch.empty(n * c, dtype=padded.dtype, device=flat.device)
+    me = group_rank(topo.intra)
     with maybe_phase(timer, "communicate"):
-        # reduce_scatter_sum never writes into its input, so `flat` stays untouched here.
-        part = reduce_scatter_sum(padded, topo.intra)
-        if part is padded:  # local_size == 1: no intra step, do not alias the caller's tensor
-            part = padded.clone()
+        # reduce_scatter_sum only reads `padded`; the result lands in my chunk of `full` (in
+        # `flat` itself when direct: that chunk's input was already sent when the call returns).
+        part = reduce_scatter_sum(padded, topo.intra, out=full[me * c:(me + 1) * c])
         all_reduce_sum_(part, topo.inter)
-        full = all_gather_flat(part, topo.intra)
+        all_gather_flat(part, topo.intra, out=full)  # gloo: irecv-first exchange into `full`
+    if direct:
+        return flat
     out = full[:d]
     if out.dtype != torch.float32:
         out = out.float()
