@@ -44,6 +44,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from datacache.config import ConfigError
+
 METHODS = ("interpolate", "grid")
 
 
@@ -124,6 +126,11 @@ def rrc_params_batch(sizes: Sequence[tuple[int, int]], generator: torch.Generato
     for k in torch.nonzero(~ok.any(dim=1)).flatten().tolist():  # all tries failed: centre crop
         boxes[k] = _rrc_from(sizes[k][0], sizes[k][1], (), (0.0, 0.0), scale, ratio)
     return boxes  # type: ignore[return-value]
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ConfigError(f"method={method!r} is not valid; choose one of {', '.join(METHODS)}")
 
 
 def _check_images(images: Sequence[torch.Tensor]) -> None:
@@ -221,10 +228,7 @@ def random_resized_crop_flip(images: Sequence[torch.Tensor], size: int, *,
     Deterministic given ``generator`` (the global torch RNG when None). ``images`` may have
     different heights and widths. ``method`` is one of :data:`METHODS`.
     """
-    if method not in METHODS:
-        from datacache.config import ConfigError
-
-        raise ConfigError(f"method={method!r} is not valid; choose one of {', '.join(METHODS)}")
+    _check_method(method)
     _check_images(images)
     sizes = [(int(img.shape[1]), int(img.shape[2])) for img in images]
     boxes = rrc_params_batch(sizes, generator, scale, ratio)
@@ -251,10 +255,7 @@ class AugmentCollate:
     def __init__(self, size: int, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
                  method: str = "interpolate") -> None:
-        if method not in METHODS:
-            from datacache.config import ConfigError
-
-            raise ConfigError(f"method={method!r} is not valid; choose one of {', '.join(METHODS)}")
+        _check_method(method)
         self.size = int(size)
         self.seed = seed
         self.scale = scale

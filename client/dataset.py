@@ -54,6 +54,7 @@ from client.storeio import (
     own_values,
     parse_quarantine,
     quarantine_value,
+    read_failure_reason,
     shared_store,
     to_chw_tensor,
 )
@@ -62,7 +63,7 @@ from datacache.decode import DecodeError, decode_image
 from datacache.keys import sample_key
 from datacache.manifest import Manifest
 from datacache.record import decode_record, encode_record
-from datacache.source import Source, SourceError
+from datacache.source import Source
 
 log = logging.getLogger("client.dataset")
 
@@ -280,8 +281,7 @@ class CachedImageNet(Dataset):
             i = indices[pos]
             rel = man.paths[i]
             if isinstance(data, BaseException):
-                cause = data.cause if isinstance(data, SourceError) else data
-                out[pos] = self._fail(i, _Q_SOURCE, f"cannot read the file: {cause}", counts)
+                out[pos] = self._fail(i, _Q_SOURCE, read_failure_reason(data), counts)
                 continue
             try:
                 pixels = decode_image(data, self.variant, name=rel)

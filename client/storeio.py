@@ -17,11 +17,18 @@ import msgpack
 import numpy as np
 
 from datacache.config import user_cache_dir
+from datacache.source import SourceError
 from datacache.stores import open_store
 
 QUARANTINE_PREFIX = "dcq"
 _STORES: dict[tuple[int, str], Any] = {}
 _readonly_warning_silenced = False
+
+
+def read_failure_reason(err: BaseException) -> str:
+    """Quarantine reason for a file the source could not read (names the underlying cause)."""
+    cause = err.cause if isinstance(err, SourceError) else err
+    return f"cannot read the file: {cause}"
 
 
 def quarantine_value(path: str, reason: str) -> bytes:

@@ -17,13 +17,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.storeio import QUARANTINE_PREFIX, manifest_dir_for, quarantine_value, shared_store
+from client.storeio import (
+    QUARANTINE_PREFIX,
+    manifest_dir_for,
+    quarantine_value,
+    read_failure_reason,
+    shared_store,
+)
 from datacache.config import Variant, default_cache_url
 from datacache.decode import DecodeError, decode_image
 from datacache.keys import sample_key
 from datacache.manifest import Manifest
 from datacache.record import encode_record
-from datacache.source import Source, SourceError
+from datacache.source import Source
 
 log = logging.getLogger("client.warm")
 
@@ -66,8 +72,7 @@ def _decode_chunk(items: Sequence[Item]) -> tuple[list[tuple[int, bytes | None, 
     out: list[tuple[int, bytes | None, str]] = []
     for (i, rel, label, _), data in zip(items, datas):
         if isinstance(data, BaseException):
-            cause = data.cause if isinstance(data, SourceError) else data
-            out.append((i, None, f"cannot read the file: {cause}"))
+            out.append((i, None, read_failure_reason(data)))
             continue
         try:
             pixels = decode_image(data, variant, name=rel)

@@ -47,7 +47,6 @@ import datetime as _dt
 import logging
 import os
 import posixpath
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,8 +372,3 @@ class Manifest:
         for t in self.targets:
             counts[self.classes[t]] += 1
         return counts
-
-
-def iter_images(man: Manifest) -> Iterable[tuple[int, str, int]]:
-    """(index, relpath, label) for every sample."""
-    return ((i, p, t) for i, (p, t) in enumerate(zip(man.paths, man.targets)))

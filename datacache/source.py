@@ -332,6 +332,8 @@ class Source:
             todo = retry
         if todo:
             if self._pool is None:
+                # Thread pool of THIS process: threads do not survive a fork, so _ensure() drops
+                # an inherited pool (pid check) and __getstate__ never ships it (spawn).
                 self._pool = ThreadPoolExecutor(max_workers=max(1, self.workers),
                                                 thread_name_prefix="datacache-source")
             futs = {i: self._pool.submit(self._read_or_error, relpaths[i], sizes[i]) for i in todo}

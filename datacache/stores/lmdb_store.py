@@ -41,12 +41,13 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import lmdb
 
 log = logging.getLogger("datacache.stores.lmdb")
+_T = TypeVar("_T")
 
 
 class _SharedEnv:
@@ -157,38 +158,33 @@ class LMDBStore:
         return env.info()["map_size"] + free
 
     # ------------------------------------------------------------------ reads
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def _read(self, fn: Callable[[Any], _T], *, buffers: bool) -> _T:
+        """``fn(txn)`` in a read transaction, retried when another process grew the map."""
         shared = self._acquire()
         with shared.lock:
             env = shared.env
             for _ in range(3):
                 try:
-                    with env.begin(buffers=False) as txn:
-                        out = [txn.get(bytes(k)) for k in keys]
-                    break
+                    with env.begin(buffers=buffers) as txn:
+                        return fn(txn)
                 except lmdb.MapResizedError:  # another process grew the map
                     self._counters["resized_seen"] += 1
                     env.set_mapsize(0)
-            else:  # pragma: no cover - would need three resizes during one read
-                raise RuntimeError(f"{self.url}: map resized repeatedly during a read")
+        raise RuntimeError(f"{self.url}: map resized repeatedly during a read")  # pragma: no cover
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out = self._read(lambda txn: [txn.get(bytes(k)) for k in keys], buffers=False)
         hits = sum(v is not None for v in out)
         self._counters["hits"] += hits
         self._counters["misses"] += len(out) - hits
         return out
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        shared = self._acquire()
-        with shared.lock:
-            env = shared.env
-            for _ in range(3):
-                try:
-                    with env.begin(buffers=True) as txn:
-                        cur = txn.cursor()
-                        return [cur.set_key(bytes(k)) for k in keys]
-                except lmdb.MapResizedError:
-                    self._counters["resized_seen"] += 1
-                    env.set_mapsize(0)
-        raise RuntimeError(f"{self.url}: map resized repeatedly during a read")  # pragma: no cover
+        def probe(txn: Any) -> list[bool]:
+            cur = txn.cursor()
+            return [cur.set_key(bytes(k)) for k in keys]
+
+        return self._read(probe, buffers=True)
 
     # ----------------------------------------------------------------- writes
     def put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool = False) -> int:

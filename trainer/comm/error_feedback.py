@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer.comm.hitopk import slice_numel
 from trainer.comm.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def _meta(method: str, numel: int, topo: Topology) -> dict[str, Any]:
 def residual_numel(method: str, numel: int, local_size: int) -> int:
     """Residual length for a bucket of ``numel`` elements under ``method``."""
     if method == "hitopk":
-        return -(-numel // local_size)
+        return slice_numel(numel, local_size)  # this rank's chunk of the padded bucket
     if method == "naive_ag":
         return numel
     raise ValueError(f"no residual layout for method {method!r}; sparse methods are naive_ag, hitopk")

@@ -151,7 +151,9 @@ class HookState:
             flags = list(self._flags)
         if not flags:
             return False
-        return bool(torch.stack([f.to("cpu", torch.bool) for f in flags]).any().item())
+        # Reduce on the device first: one device->host read for all buckets (moving each flag
+        # to the CPU separately would be one sync per bucket).
+        return bool(torch.stack([f.to(torch.bool) for f in flags]).any().item())
 
     def finish_step(self) -> bool:
         """End the step: returns whether it was skipped, counts skips, advances ``step``."""
