@@ -3,10 +3,10 @@
 Read path for a batch of indices (``__getitems__``, which DataLoader calls with the whole
 batch when the dataset defines it):
 
-1. T2 (the store, LMDB by default): one ``store.get_many`` for all keys of the batch
-   (split by ``fetch_bytes`` of expected reply only for network stores such as Redis; a
-   local LMDB read has no reply to bound). A record that decodes (``decode_record``) with the
-   expected label is a **hit**: ``torch.from_numpy`` on the record's numpy view, then
+1. T2 (the store, LMDB by default): one ``store.get_many`` for all keys of the batch (a
+   network store bounds its own round trips by bytes, :mod:`datacache.stores.base`). A record
+   that decodes (``decode_record``, checked against the key it was asked for) with the expected
+   label is a **hit**: ``torch.from_numpy`` on the record's numpy view, then
    ``.permute(2, 0, 1)`` -- the returned ``uint8 [3, H, W]`` tensor is a *view* of the record.
    Where copies happen: the store's read itself (LMDB's ``get_many`` copies each value out
    of the memory map into a ``bytes``, since a zero-copy view dies with the read
@@ -16,24 +16,32 @@ batch when the dataset defines it):
    ``memory://`` store the bytes *are* the stored value; a damaged value would fail its
    checksum and be rewritten). A store that returns short-lived ``memoryview`` values is
    copied once into a per-batch arena (:func:`client.storeio.own_values`).
-2. Miss (absent key, or a truncated / bit-flipped / mislabelled record, which is counted as
-   ``t2_invalid`` and rewritten with ``overwrite=True``): the file bytes come from T1/T0 via
-   ``Source.read_many`` (concurrent), are decoded (``decode_image``) into the variant, encoded
-   (``encode_record``) and written back with ``put_many`` (``SET NX`` semantics).
+2. Miss (absent key, or a truncated / bit-flipped / mislabelled / foreign-key record, which is
+   counted as ``t2_invalid`` and rewritten with ``overwrite=True``): the file bytes come from
+   T1/T0 via ``Source.read_many`` (concurrent; T1 entries and lengths checked against the
+   manifest's identity of the file), are decoded into the variant, encoded and written back with
+   ``put_many`` (``SET NX`` semantics). A store that cannot be read is all misses; a write that
+   fails (read-only cache, full disk) is skipped -- both counted (``stats()["t2"]``) and logged
+   once, never raised (:mod:`datacache.stores.base`).
 3. A file that cannot be read or decoded follows ``on_error``:
 
    * ``"substitute"`` (default): the sample is **quarantined** -- recorded in
      :attr:`CachedImageNet.quarantined` (relpath -> reason), counted in :meth:`stats`,
      logged once -- and the next index (wrapping) that loads stands in, so batch sizes stay
-     equal and the choice is deterministic. Decode failures are also remembered in the
-     store (a small msgpack record under the ``dcq`` key prefix), so the next run does not
-     re-read a file it already knows is bad; read failures (possibly transient) are not.
+     equal and the choice is deterministic. A decode failure of complete bytes is also
+     remembered in the store, keyed by the file's identity (:mod:`client.fill`), so the next
+     run does not re-read a file it knows is bad, and fixing the file clears it; transient
+     failures (read errors, short reads, out of memory) are skipped for this run only.
    * ``"raise"``: :class:`DatasetError` naming the file, the cause and what to do.
+
+The cache URL is parsed and checked when the dataset is constructed (in the parent):
+a bad URL, or an LMDB directory on a network filesystem, raises ConfigError right there.
 
 Per-process state (fork/spawn boundary): the store and the source are opened lazily in the
 process that uses them (pid check), so every DataLoader worker opens its own LMDB
-environment after the fork, and pickling the dataset for spawn carries only the manifest,
-the config and two small shared-memory tensors (statistics and quarantine flags, see
+environment after the fork, and pickling the dataset for spawn carries only the manifest
+(numpy columns, a few buffers), the parsed cache spec, the config and two small shared-memory
+tensors (statistics and quarantine flags, see
 :mod:`client.stats`), which torch's ForkingPickler shares rather than copies.
 """
 
@@ -47,35 +55,37 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from client.fill import fill_one
 from client.stats import SharedCounters, format_stats
 from client.storeio import (
-    QUARANTINE_PREFIX,
     manifest_dir_for,
     own_values,
     parse_quarantine,
+    quarantine_key,
     quarantine_value,
-    read_failure_reason,
     shared_store,
     to_chw_tensor,
 )
+from datacache.cacheurl import parse_cache_url
+from datacache.columns import ArrayView, PairsView
 from datacache.config import ConfigError, Variant, default_cache_url
-from datacache.decode import DecodeError, decode_image
 from datacache.keys import sample_key
-from datacache.manifest import Manifest
-from datacache.record import decode_record, encode_record
+from datacache.manifest import Manifest, check_revalidate
+from datacache.record import decode_record
 from datacache.source import Source
 
 log = logging.getLogger("client.dataset")
 
 ON_ERROR_CHOICES = ("substitute", "raise")
-LOCAL_STORE_SCHEMES = ("lmdb", "memory")
 COUNTERS = (
     "samples", "t2_hits", "t2_misses", "t2_invalid", "t2_bytes", "t2_written", "t2_known_bad",
-    "decoded", "errors", "substituted", "t1_hits", "t1_misses", "t0_bytes", "t0_retries", "t0_errors",
+    "t2_read_errors", "t2_write_errors", "decoded", "errors", "substituted", "t1_hits", "t1_misses",
+    "t0_bytes", "t0_retries", "t0_errors",
 )
 _Q_SOURCE, _Q_DECODE = 1, 2  # quarantine flag codes (shared tensor)
 _SOURCE_DELTA = {"t1_hits": "t1_hits", "t1_misses": "t1_misses", "bytes_read": "t0_bytes",
                  "retries": "t0_retries", "errors": "t0_errors"}
+_STORE_DELTA = {"read_errors": "t2_read_errors", "write_errors": "t2_write_errors"}
 
 
 class DatasetError(Exception):
@@ -87,15 +97,18 @@ class CachedImageNet(Dataset):
 
     Args:
         source: fsspec URL or path of an ImageFolder root or a ``.txt``/``.csv`` file list.
-        cache: store URL (``lmdb:///path``, ``memory://``, ...); default
-            :func:`datacache.config.default_cache_url`.
+        cache: cache URL (``lmdb:///path``, ``lmdb://~/dir?readonly=1``, ``memory://``, ...);
+            default :func:`datacache.config.default_cache_url`. Parsed and checked here.
         short_side: short side of the cached variant (ignored when ``variant`` is given).
         variant: full :class:`~datacache.config.Variant`.
         transform: callable applied to each ``uint8 [3, H, W]`` tensor.
         on_error: ``"substitute"`` or ``"raise"`` (see the module docstring).
+        revalidate: how a persisted listing is checked at start: ``"dirs"`` (default; detects
+            added, removed and atomically replaced files), ``"full"`` (re-list: also detects files
+            rewritten in place) or ``"none"`` (see :mod:`datacache.manifest`).
         t1_dir: T1 raw-bytes cache dir for remote sources (``"default"``, a path, or None).
+        t1_max_bytes: size cap of T1 (LRU trim); None = no cap.
         storage_options: fsspec options for the source.
-        fetch_bytes: cap on the expected reply size of one store read (network stores).
 
     Items are ``(uint8 tensor [3, H, W], int label)``; sizes differ between samples, so use
     :class:`client.augment.AugmentCollate` (or a ``transform`` producing a fixed size) with
@@ -104,20 +117,27 @@ class CachedImageNet(Dataset):
 
     def __init__(self, source: str, cache: str | None = None, *, short_side: int = 160,
                  variant: Variant | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
-                 on_error: str = "substitute", t1_dir: str | None = "default",
-                 storage_options: dict | None = None, fetch_bytes: int = 2 << 20) -> None:
+                 on_error: str = "substitute", revalidate: str = "dirs", t1_dir: str | None = "default",
+                 t1_max_bytes: int | None = None, storage_options: dict | None = None) -> None:
         if on_error not in ON_ERROR_CHOICES:
             raise ConfigError(f"on_error={on_error!r} is not valid; choose one of "
                               f"{', '.join(ON_ERROR_CHOICES)}")
+        if t1_max_bytes is not None and int(t1_max_bytes) < 1:
+            raise ConfigError(f"t1_max_bytes must be a positive number of bytes or None, "
+                              f"got {t1_max_bytes!r}")
+        check_revalidate(revalidate)
         self.variant = variant if variant is not None else Variant(short_side=short_side)
-        self.cache_url = cache or default_cache_url()
+        # parsed and checked here, in the parent, never first inside a DataLoader worker
+        self.cache_spec = parse_cache_url(cache or default_cache_url(), check=True).store
+        self.cache_url = self.cache_spec.url
         self.transform = transform
         self.on_error = on_error
-        self.fetch_bytes = int(fetch_bytes)
+        self.revalidate = revalidate
         self._t1_dir = t1_dir
+        self._t1_max_bytes = int(t1_max_bytes) if t1_max_bytes is not None else None
         self._storage_options = storage_options
         self.manifest = Manifest.build(source, storage_options=storage_options,
-                                       persist_dir=self.manifest_dir)
+                                       persist_dir=self.manifest_dir, revalidate=revalidate)
         self._tag = self.variant.tag()
         self._counters = SharedCounters(COUNTERS)
         self._qflags = torch.zeros(len(self.manifest), dtype=torch.uint8).share_memory_()
@@ -129,7 +149,7 @@ class CachedImageNet(Dataset):
     # ------------------------------------------------------------ ImageFolder face
     @property
     def manifest_dir(self) -> str:
-        return manifest_dir_for(self.cache_url)
+        return manifest_dir_for(self.cache_spec)
 
     @property
     def root(self) -> str:
@@ -144,15 +164,17 @@ class CachedImageNet(Dataset):
         return self.manifest.class_to_idx
 
     @property
-    def targets(self) -> list[int]:
+    def targets(self) -> ArrayView:
+        """Labels, a read-only sequence view of the manifest's int32 column (no list is built)."""
         return self.manifest.targets
 
     @property
-    def samples(self) -> list[tuple[str, int]]:
-        """``(path, label)`` pairs like torchvision's ImageFolder (plain paths for local sources)."""
+    def samples(self) -> PairsView:
+        """``(path, label)`` pairs like torchvision's ImageFolder (plain paths for local sources),
+        a read-only view built on access."""
         root = self.manifest.root
         base = root[len("file://"):] if root.startswith("file://") else root
-        return [(f"{base}/{p}", t) for p, t in zip(self.manifest.paths, self.manifest.targets)]
+        return PairsView(base.rstrip("/") + "/", self.manifest.paths, self.manifest.labels)
 
     imgs = samples
 
@@ -175,8 +197,10 @@ class CachedImageNet(Dataset):
         # Process boundary: after fork (DataLoader worker) or spawn the pid differs and the
         # store/source are reopened here, in the process that uses them.
         if self._pid != os.getpid() or self._store is None:
-            self._store = shared_store(self.cache_url)
-            self._source = Source(self.manifest.root, t1_dir=self._t1_dir,
+            self._store = shared_store(self.cache_spec)
+            v = self.variant  # expected record size seeds a network store's byte-capped chunking
+            self._store.hint_value_bytes(v.short_side * min(v.long_cap, (v.short_side * 4) // 3) * 3 + 64)
+            self._source = Source(self.manifest.root, t1_dir=self._t1_dir, t1_max_bytes=self._t1_max_bytes,
                                   storage_options=self._storage_options)
             self._pid = os.getpid()
 
@@ -189,21 +213,9 @@ class CachedImageNet(Dataset):
         return sample_key(self.manifest.fingerprint, self._tag, index)
 
     def _qkey(self, index: int) -> bytes:
-        return sample_key(self.manifest.fingerprint, self._tag, index, prefix=QUARANTINE_PREFIX)
+        return quarantine_key(self._tag, self.manifest.paths[index], self.manifest.identity(index))
 
     # ------------------------------------------------------------ the read path
-    def _get_many(self, keys: list[bytes]) -> list[Any]:
-        scheme = self.cache_url.partition("://")[0]
-        if scheme in LOCAL_STORE_SCHEMES or len(keys) <= 1:
-            return own_values(self._store.get_many(keys))
-        v = self.variant
-        expected = v.short_side * min(v.long_cap, (v.short_side * 4) // 3) * 3 + 64
-        step = max(1, self.fetch_bytes // expected)
-        out: list[Any] = []
-        for s in range(0, len(keys), step):
-            out.extend(self._store.get_many(keys[s:s + step]))
-        return own_values(out)
-
     def _fail(self, index: int, code: int, reason: str, counts: dict[str, int]) -> str:
         rel = self.manifest.paths[index]
         counts["errors"] += 1
@@ -220,15 +232,16 @@ class CachedImageNet(Dataset):
         out: list[Any] = [None] * len(indices)
         prefix = self.key(0)[:-1]  # b"dc:<fingerprint>:<variant>:" (sample_key's format), built once
         keys = [prefix + b"%d" % i for i in indices]  # ~3x cheaper than one sample_key call per index
-        bufs = self._get_many(keys)
+        labels = man.labels[list(indices)].tolist()
+        bufs = own_values(self._store.get_many(keys))
         miss: list[int] = []  # positions
         invalid: set[int] = set()
-        for pos, (i, buf) in enumerate(zip(indices, bufs)):
+        for pos, (key, buf) in enumerate(zip(keys, bufs)):
             if buf is None:
                 miss.append(pos)
                 continue
-            rec = decode_record(buf)
-            if rec is None or rec[1] != man.targets[i]:
+            rec = decode_record(buf, key)
+            if rec is None or rec[1] != labels[pos]:
                 invalid.add(pos)
                 miss.append(pos)
                 continue
@@ -252,12 +265,13 @@ class CachedImageNet(Dataset):
             known = self._store.get_many([self._qkey(indices[p]) for p in todo])
             rest = []
             for pos, q in zip(todo, known):
-                reason = parse_quarantine(q)
+                i = indices[pos]
+                reason = parse_quarantine(q, man.paths[i], man.identity(i))
                 if reason is None:
                     rest.append(pos)
                 else:
                     counts["t2_known_bad"] += 1
-                    out[pos] = self._fail(indices[pos], _Q_DECODE, reason, counts)
+                    out[pos] = self._fail(i, _Q_DECODE, reason, counts)
             todo = rest
         if todo:
             self._fill_misses(indices, todo, invalid, out, counts)
@@ -270,7 +284,8 @@ class CachedImageNet(Dataset):
         assert src is not None
         before = src.stats()
         datas = src.read_many([man.paths[indices[p]] for p in todo],
-                              expect_sizes=[man.sizes[indices[p]] for p in todo])
+                              sizes=[int(man.sizes[indices[p]]) for p in todo],
+                              identities=[man.identity(indices[p]) for p in todo])
         after = src.stats()
         for k, name in _SOURCE_DELTA.items():
             counts[name] += int(after.get(k, 0)) - int(before.get(k, 0))
@@ -280,25 +295,19 @@ class CachedImageNet(Dataset):
         for pos, data in zip(todo, datas):
             i = indices[pos]
             rel = man.paths[i]
-            if isinstance(data, BaseException):
-                out[pos] = self._fail(i, _Q_SOURCE, read_failure_reason(data), counts)
-                continue
-            try:
-                pixels = decode_image(data, self.variant, name=rel)
-            except DecodeError as e:
-                reason = f"cannot decode: {e.reason}"
-                out[pos] = self._fail(i, _Q_DECODE, reason, counts)
-                bad.append((self._qkey(i), quarantine_value(rel, reason)))
+            label = int(man.labels[i])
+            got = fill_one(data, rel=rel, size=int(man.sizes[i]), label=label, key=self.key(i),
+                           variant=self.variant)
+            if got.record is None:
+                code = _Q_SOURCE if isinstance(data, BaseException) else _Q_DECODE
+                out[pos] = self._fail(i, code, got.reason, counts)
+                if got.remember:
+                    bad.append((self._qkey(i), quarantine_value(rel, man.identity(i), got.reason)))
                 continue
             counts["decoded"] += 1
-            label = man.targets[i]
-            rec = encode_record(pixels, label, self.variant)
-            (rewrite if pos in invalid else fresh).append((self.key(i), rec))
-            if self.variant.encoding != "raw":
-                # serve exactly what a later hit will serve (the re-encoded pixels)
-                decoded = decode_record(rec)
-                pixels = decoded[0] if decoded is not None else pixels
-            out[pos] = (to_chw_tensor(pixels), label)
+            (rewrite if pos in invalid else fresh).append((self.key(i), got.record))
+            out[pos] = (to_chw_tensor(got.pixels), label)
+        # write failures (read-only cache, full disk) are skipped and counted by the store, never raised
         if fresh:
             counts["t2_written"] += self._store.put_many(fresh)
         if rewrite:
@@ -310,6 +319,8 @@ class CachedImageNet(Dataset):
         """Load a whole batch with one store round trip (DataLoader calls this per batch)."""
         indices = [self._check_index(i) for i in indices]
         counts = dict.fromkeys(COUNTERS, 0)
+        self._ensure_open()
+        store_before = self._store.counters()
         try:
             out = self._load_many(indices, counts)
             for pos, item in enumerate(out):
@@ -322,6 +333,9 @@ class CachedImageNet(Dataset):
                     out[pos] = self._substitute(indices[pos], counts)
             counts["samples"] += len(indices)
         finally:
+            store_after = self._store.counters()
+            for k, name in _STORE_DELTA.items():
+                counts[name] += store_after.get(k, 0) - store_before.get(k, 0)
             self._counters.add(counts)
         if self.transform is not None:
             out = [(self.transform(img), label) for img, label in out]
@@ -363,20 +377,22 @@ class CachedImageNet(Dataset):
             self._ensure_open()
             known = self._store.get_many([self._qkey(i) for i in missing])
             for i, q in zip(missing, known):
-                reason = parse_quarantine(q)
+                rel = self.manifest.paths[i]
+                reason = parse_quarantine(q, rel, self.manifest.identity(i))
                 if reason is None:
                     code = int(self._qflags[i])
                     what = "cannot read the file" if code == _Q_SOURCE else "cannot decode"
                     reason = f"{what} (in a DataLoader worker; see its log)"
-                result[self.manifest.paths[i]] = reason
+                result[rel] = reason
         return result
 
     def stats(self) -> dict[str, Any]:
         """Totals over the main process and all DataLoader workers since creation / reset_stats().
 
         ``hits``/``misses`` are T2 (store) lookups, ``t2.invalid_rewritten`` counts bad records
-        that were rewritten, ``t1`` is the raw-bytes disk cache (remote sources only), ``t0``
-        the source itself (``bytes_read`` = bytes read from T1/T0 on misses).
+        that were rewritten, ``t2.read_errors``/``t2.write_errors`` store failures that were turned
+        into misses / skipped writes, ``t1`` is the raw-bytes disk cache (remote sources only),
+        ``t0`` the source itself (``bytes_read`` = bytes read from T1/T0 on misses).
         """
         return format_stats(self._counters.totals(), quarantined=int(torch.count_nonzero(self._qflags)),
                             processes=self._counters.active_rows(), store=self.cache_url)

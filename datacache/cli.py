@@ -43,6 +43,44 @@ def _non_negative(text: str) -> int:
     return _int_at_least(text, 0, "an integer >= 0")
 
 
+def _byte_size(text: str) -> int:
+    from datacache.cacheurl import parse_bytes
+
+    v = parse_bytes(text)
+    if v is None or v < 1:
+        raise argparse.ArgumentTypeError(f"expected a byte size such as 50GiB, 500M or 1000000, got {text!r}")
+    return v
+
+
+def _cache_url(text: str) -> str:
+    """Parse and check the cache URL while parsing arguments: a bad one is a usage error (exit 2)."""
+    from datacache.cacheurl import parse_cache_url
+    from datacache.config import ConfigError
+
+    try:
+        return parse_cache_url(text, check=True).url
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_source_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by demo and warm: how the listing is revalidated and the T1 disk cache."""
+    p.add_argument("--revalidate", choices=("dirs", "full", "none"), default="dirs",
+                   help="how a saved listing is checked at start: dirs (default) re-stats directories and "
+                        "detects added/removed/atomically replaced files; full re-lists and also detects "
+                        "files rewritten in place; none trusts the saved listing")
+    p.add_argument("--t1-dir", default="default", metavar="DIR",
+                   help="raw-bytes disk cache (T1) for remote sources "
+                        "(default: <user cache dir>/datacache/t1; "
+                        "'none' disables it)")
+    p.add_argument("--t1-max-bytes", type=_byte_size, metavar="SIZE",
+                   help="size cap of T1 with LRU trimming, e.g. 50GiB (default: no cap)")
+
+
+def _t1_dir(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="datacache",
@@ -63,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                "  datacache demo --source /data/train --cache lmdb:///var/cache/datacache",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--source", help="dataset URL/path (ImageFolder or .txt/.csv list); default: generated")
-    d.add_argument("--cache", help="cache store URL; default: the demo's own LMDB dir (cleared at start)")
+    d.add_argument("--cache", type=_cache_url,
+                   help="cache URL (lmdb:///dir[?readonly=1], memory://); default: the demo's own LMDB dir "
+                        "(cleared at start)")
     d.add_argument("--epochs", type=_positive, default=3, help="epochs to run (default 3)")
     d.add_argument("--batch-size", type=_positive, default=64, help="batch size (default 64)")
     d.add_argument("--workers", type=_non_negative, default=2, help="DataLoader worker processes (default 2)")
@@ -73,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--start-method", choices=("fork", "spawn", "forkserver"),
                    help="DataLoader worker start method (default: the platform's)")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_source_options(d)
     # hidden: tiny generated datasets for tests
     d.add_argument("--images", type=_positive, default=1000, help=argparse.SUPPRESS)
     d.add_argument("--classes", type=_positive, default=10, help=argparse.SUPPRESS)
@@ -87,11 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
                "--workers 8",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     w.add_argument("source", metavar="SOURCE", help="dataset URL/path (ImageFolder or .txt/.csv list)")
-    w.add_argument("--cache", help="cache store URL (default: lmdb://<user cache dir>/datacache/lmdb)")
+    w.add_argument("--cache", type=_cache_url,
+                   help="cache URL (default: lmdb://<user cache dir>/datacache/lmdb)")
     w.add_argument("--workers", type=_positive, default=os.cpu_count() or 1,
                    help="decode processes (default: all cores)")
     w.add_argument("--short-side", type=_positive, default=160, help="cached short side in px (default 160)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_source_options(w)
 
     s = sub.add_parser(
         "stats", help="show what a cache holds",
@@ -99,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "persisted next to it.",
         epilog="example:\n  datacache stats --cache lmdb:///var/cache/datacache",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--cache", help="cache store URL (default: lmdb://<user cache dir>/datacache/lmdb)")
+    s.add_argument("--cache", type=_cache_url,
+                   help="cache URL (default: lmdb://<user cache dir>/datacache/lmdb)")
     return p
 
 
@@ -110,7 +154,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                      workers=args.workers, image_size=args.image_size, short_side=args.short_side,
                      keep_cache=args.keep_cache, images=args.images, classes=args.classes,
                      gen_size=tuple(args.gen_size), start_method=args.start_method,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir),
+                     t1_max_bytes=args.t1_max_bytes)
     run_demo(cfg)
     return 0
 
@@ -121,9 +166,12 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
     cache = args.cache or default_cache_url()
     rep = warm_cache(args.source, cache, workers=args.workers, short_side=args.short_side,
+                     revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir), t1_max_bytes=args.t1_max_bytes,
                      progress=not args.no_progress)
     print(f"warmed {cache}: {rep.total} samples, decoded {rep.decoded}, skipped {rep.skipped} "
-          f"(already cached), quarantined {len(rep.quarantined)}, read {rep.bytes_read / 1e6:.1f} MB")
+          f"(already cached), quarantined {len(rep.quarantined)}, read {rep.bytes_read / 1e6:.1f} MB"
+          + (f", NOT cached: {rep.write_errors} write errors (see the warning above)"
+             if rep.write_errors else ""))
     for rel, reason in sorted(rep.quarantined.items())[:20]:
         print(f"  quarantined {rel}: {reason}")
     if len(rep.quarantined) > 20:
@@ -133,23 +181,26 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from client.storeio import manifest_dir_for, shared_store
+    from datacache.cacheurl import parse_cache_url
     from datacache.config import default_cache_url
     from datacache.manifest import Manifest, ManifestError
 
     cache = args.cache or default_cache_url()
-    scheme, _, rest = cache.partition("://")
-    if scheme == "lmdb" and not os.path.isdir(rest.partition("?")[0]):
+    spec = parse_cache_url(cache).store
+    if spec.scheme == "lmdb" and not os.path.isdir(spec.location):
         raise FileNotFoundError(f"{cache}: no LMDB cache there yet "
                                 f"(run `datacache warm SOURCE --cache {cache}`)")
-    store = shared_store(cache)
+    store = shared_store(spec)
     st = store.stats()
-    print(f"store {st.get('url', cache)} ({st.get('backend', scheme)})")
+    if "error" in st:
+        raise OSError(f"{spec.url}: cannot read the store ({st['error']})")
+    print(f"store {st.get('url', cache)} ({st.get('backend', spec.scheme)})")
     print(f"  entries  {st.get('entries')}")
     if "bytes" in st:
         print(f"  bytes    {int(st['bytes']) / 2**20:.1f} MiB")
     if "map_size" in st:
         print(f"  map size {int(st['map_size']) / 2**30:.2f} GiB")
-    mdir = manifest_dir_for(cache)
+    mdir = manifest_dir_for(spec)
     files = sorted(f for f in os.listdir(mdir) if f.endswith(".msgpack")) if os.path.isdir(mdir) else []
     print(f"manifests in {mdir}: {len(files)}")
     for f in files:

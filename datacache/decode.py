@@ -76,15 +76,20 @@ warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 class DecodeError(Exception):
-    """``name`` could not be decoded; ``reason`` says why and what to do."""
+    """``name`` could not be decoded; ``reason`` says why and what to do.
 
-    def __init__(self, name: str, reason: str) -> None:
+    ``transient`` is True when the failure says nothing about the file (out of memory): the
+    caller may skip the sample for now but must not remember the file as bad.
+    """
+
+    def __init__(self, name: str, reason: str, transient: bool = False) -> None:
         super().__init__(f"{name}: {reason}")
         self.name = name
         self.reason = reason
+        self.transient = transient
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable across DataLoader worker processes
-        return (DecodeError, (self.name, self.reason))
+        return (DecodeError, (self.name, self.reason, self.transient))
 
 
 def _pillow_flavour() -> str:
@@ -184,6 +189,9 @@ def decode_image(data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.
             out = _decode_simplejpeg(bytes(data), variant)
         except (ValueError, RuntimeError):
             out = None  # corrupt for libjpeg-turbo too: let Pillow produce the error message
+        except MemoryError:
+            raise DecodeError(name, "out of memory while decoding (transient: retried in a later epoch)",
+                              transient=True) from None
         if out is not None:
             return out
     try:
@@ -215,7 +223,10 @@ def decode_image(data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.
                           "remove the file or replace it with a valid image") from None
     except Image.DecompressionBombError as e:
         raise DecodeError(name, f"{e}; downscale the file offline") from None
+    except MemoryError:  # the process, not the file: never remembered as a bad file
+        raise DecodeError(name, "out of memory while decoding (transient: retried in a later epoch)",
+                          transient=True) from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError,
-            ZeroDivisionError, MemoryError) as e:
+            ZeroDivisionError) as e:
         raise DecodeError(name, f"corrupt or truncated image data ({type(e).__name__}: {e}); re-copy the "
                           "file from its origin or remove it") from None

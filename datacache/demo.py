@@ -45,6 +45,9 @@ class DemoConfig:
     start_method: str | None = None   # DataLoader multiprocessing context (None: platform default)
     progress: bool = True
     seed: int = 0
+    revalidate: str = "dirs"          # how a saved listing is checked (see datacache.manifest)
+    t1_dir: str | None = "default"    # raw-bytes disk cache for remote sources
+    t1_max_bytes: int | None = None   # T1 size cap (LRU trim)
 
 
 @dataclass
@@ -107,7 +110,8 @@ def run_demo(cfg: DemoConfig) -> list[EpochResult]:
             log.info("cleared the demo cache %s (use --keep-cache to keep it)", cache_dir)
         cache = "lmdb://" + cache_dir
     t = time.perf_counter()
-    ds = CachedImageNet(source, cache, short_side=cfg.short_side)
+    ds = CachedImageNet(source, cache, short_side=cfg.short_side, revalidate=cfg.revalidate,
+                        t1_dir=cfg.t1_dir, t1_max_bytes=cfg.t1_max_bytes)
     print(f"dataset: {len(ds)} images, {len(ds.classes)} classes from {ds.root} "
           f"(listed in {time.perf_counter() - t:.2f} s)")
     print(f"cache:   {cache}  variant {ds.variant.tag()}  decoder {ds.stats()['decode_backend']}")

@@ -1,49 +1,51 @@
-"""The manifest: one listing of the dataset (paths, labels, sizes, mtimes) and its fingerprint.
+"""The manifest: one listing of the dataset (paths, labels, sizes, mtimes, versions) and its fingerprint.
 
-Sources
-    * an **ImageFolder tree** (any fsspec URL): ``root/<class>/**/<file>``. Labels follow
-      torchvision's ``ImageFolder`` exactly: ``classes`` = sorted sub-directory names of the
-      root, files found recursively (symlinks included, like ``os.walk(followlinks=True)``)
-      and ordered by (directory, file name). A file is an image when its extension is in
-      :data:`IMG_EXTENSIONS` (case-insensitive); other files are skipped and counted in
-      ``ignored["non_image"]``, files directly under the root in ``ignored["outside_class"]``.
-      An empty class folder keeps its class index (torchvision's ``allow_empty=True``), is
-      logged and counted in ``ignored["empty_class"]``. A dangling symlink with an image
-      extension stays in the listing (as in torchvision); reading it fails later with a
-      :class:`~datacache.source.SourceError` naming the file.
-    * a **file list** (``.txt`` / ``.csv``): one ``relpath`` or ``relpath,label`` per line,
-      paths relative to the list's directory; ``#`` comments and a header line
-      (``path,label``) are skipped. Without labels the class is the first path component
-      (sorted like ImageFolder); integer labels are used as given (``classes`` = ``"0".."N-1"``);
-      other labels are class names, indexed by sorted name. Listed files that do not exist are
-      skipped, logged and counted in ``ignored["missing"]``. ``Manifest.root`` is then the
-      list's directory (what the paths are relative to, so ``Source(root)`` reads them) and
-      ``Manifest.listed`` the list file itself.
+Sources (walked by :mod:`datacache.listing`)
+    * an **ImageFolder tree** (any fsspec URL): ``root/<class>/**/<file>``, in exactly the order of
+      torchvision's ``make_dataset`` (classes sorted; each class folder walked as
+      ``sorted(os.walk(...))``). A file is an image when its extension is in :data:`IMG_EXTENSIONS`
+      (case-insensitive); other files are counted in ``ignored["non_image"]``, files directly under
+      the root in ``ignored["outside_class"]``. An empty class folder keeps its class index
+      (torchvision's ``allow_empty=True``), counted in ``ignored["empty_class"]``. A dangling
+      symlink with an image extension stays listed (as in torchvision); reading it fails later
+      with a :class:`~datacache.source.SourceError` naming the file.
+    * a **file list** (``.txt`` / ``.csv``): one ``relpath`` or ``relpath,label`` per line, relative
+      to the list's directory (``#`` comments and a ``path,label`` header are skipped). Without labels
+      the class is the first path component; integer labels are used as given; other labels are
+      class names indexed by sorted name. Missing files are counted in ``ignored["missing"]``.
+      ``root`` is then the list's directory and ``listed`` the list file itself.
 
-Fingerprint
-    xxh3_64 (16 hex chars) over the classes and every (relpath, size, mtime, label). Any file
-    added, removed, resized or touched changes it, and with it every cache key.
+Memory (what travels to every spawn DataLoader worker)
+    Columns are numpy arrays -- ``labels`` int32, ``sizes`` int64 (-1 = unknown), ``mtimes``
+    float64, ``versions`` uint64 -- and the relative paths one packed UTF-8 blob with offsets
+    (:class:`~datacache.columns.PackedStrings`, as FFCV does). ``paths`` and ``targets`` are cheap
+    read-only sequence views. ImageNet's 1.28M entries take ~80 MB (``nbytes``), pickle as a few
+    buffers, and are measured by ``python -m bench.manifest_scale``.
 
-Persistence and cheap revalidation (``persist_dir``)
-    Walking 1.28M files on NFS costs minutes, so :meth:`Manifest.build` saves a msgpack copy
-    in ``persist_dir`` (one file per source URL) and, on the next start, revalidates it:
+Identity and fingerprint
+    A file's identity is (path, size, mtime, version) (:meth:`Manifest.identity`); T1 entries and
+    remembered decode failures are keyed by it. The fingerprint (16 hex chars, xxh3_64 over the
+    classes and every column) changes when any file is added, removed, resized, touched or
+    relabelled, and with it every cache key, so no stale sample is served once the change is seen.
 
-    * ``revalidate="dirs"`` (default): re-stat every *directory* seen by the walk (root,
-      class folders, their sub-folders; for a file list: the list file itself and the
-      directories of the listed files) and compare (mtime, entry count) with the recorded
-      values; ~2 calls per directory instead of one stat per file. It **catches** files
-      added, removed or renamed (they change the parent directory's mtime and entry count)
-      and a rewritten file list. It **does not catch** a file rewritten in place
-      (``open(f, "wb")``, ``touch``, rsync ``--inplace``): that changes the file's mtime but
-      not its directory's. Use ``"full"`` after such edits. Filesystems that report no
-      directory mtime (S3, HTTP) fall back to ``"full"``.
-    * ``revalidate="full"``: re-walk (the fingerprint then is always right).
-    * ``revalidate="none"``: trust the saved copy if it was made for the same URL.
+Persistence and revalidation (``persist_dir``), costs for 1.28M files in 1,000 folders
+    :meth:`Manifest.build` saves a msgpack copy in ``persist_dir`` (one file per source URL) and on
+    the next start checks it with ``revalidate``:
+
+    * ``"dirs"`` (default): re-stat every *directory* seen by the walk (2 requests per directory,
+      concurrent: ~2,000 requests for ImageNet) and compare (mtime, entry count). It **detects**
+      files added, removed, renamed or atomically replaced (write to a temp file + rename, as
+      rsync does by default: the directory's mtime changes) and a rewritten file list. It **does
+      not detect** a file rewritten in place (``open(f, "wb")``, ``touch``, ``rsync --inplace``):
+      that changes the file's mtime, not its directory's -- use ``"full"`` after such edits.
+      Filesystems without directory mtimes (S3, HTTP) fall back to ``"full"``.
+    * ``"full"``: re-list everything (one listing per directory, as the first start) and compare
+      fingerprints: detects every change of size, mtime or version.
+    * ``"none"``: trust the saved copy made for the same URL (no request at all).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import os
 import posixpath
@@ -52,43 +54,39 @@ from typing import Any
 
 import fsspec
 import msgpack
+import numpy as np
 import xxhash
+
+from datacache.columns import ArrayView, PackedStrings
+from datacache.listing import (
+    IMG_EXTENSIONS,
+    LIST_EXTENSIONS,
+    Listing,
+    ManifestError,
+    dir_states,
+    is_image,
+    list_file,
+    list_folder,
+    mtime_of,
+)
+
+__all__ = ["IMG_EXTENSIONS", "REVALIDATE_CHOICES", "Manifest", "ManifestError", "is_image"]
 
 log = logging.getLogger("datacache.manifest")
 
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-LIST_EXTENSIONS = (".txt", ".csv")
 REVALIDATE_CHOICES = ("dirs", "full", "none")
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+_COLUMNS = (("labels", np.int32), ("sizes", np.int64), ("mtimes", np.float64), ("versions", np.uint64))
 
 
-class ManifestError(Exception):
-    """The dataset cannot be listed; the message names the URL and what to do."""
-
-
-def is_image(name: str) -> bool:
-    """True when ``name`` has an image extension (case-insensitive)."""
-    return name.lower().endswith(IMG_EXTENSIONS)
-
-
-def _mtime(info: dict[str, Any]) -> float:
-    """A file's modification time as a float from any fsspec ``info`` dict (0.0 if unknown)."""
-    for k in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        v = info.get(k)
-        if v is None:
-            continue
-        if isinstance(v, _dt.datetime):
-            return v.timestamp()
-        if isinstance(v, str):
-            try:
-                return _dt.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
-            except ValueError:
-                continue
-        try:
-            return float(v)
-        except (TypeError, ValueError):
-            continue
-    return 0.0
+def check_revalidate(revalidate: str) -> str:
+    """``revalidate`` if valid, else a ManifestError listing the choices."""
+    if revalidate not in REVALIDATE_CHOICES:
+        raise ManifestError(f"revalidate={revalidate!r} is not valid; choose one of "
+                            f"{', '.join(REVALIDATE_CHOICES)} "
+                            "(dirs: detects added/removed/replaced files; full: also in-place rewrites; "
+                            "none: trust the saved listing)")
+    return revalidate
 
 
 def _open_fs(source: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str, str]:
@@ -106,17 +104,17 @@ def _open_fs(source: str, storage_options: dict | None) -> tuple[fsspec.Abstract
     return fs, path, fs.unstrip_protocol(path)
 
 
-@dataclass
+@dataclass(eq=False)
 class Manifest:
-    """Listing of one dataset (see the module docstring)."""
+    """Listing of one dataset (see the module docstring). Build with :meth:`build` or :meth:`from_lists`."""
 
     root: str
-    paths: list[str]
-    targets: list[int]
-    sizes: list[int]
-    mtimes: list[float]
+    packed: PackedStrings
+    labels: np.ndarray
+    sizes: np.ndarray
+    mtimes: np.ndarray
+    versions: np.ndarray
     classes: list[str]
-    class_to_idx: dict[str, int]
     fingerprint: str = ""
     ignored: dict[str, int] = field(default_factory=dict)
     # recorded for cheap revalidation: relative dir (or list file) -> [mtime, entry count]
@@ -125,29 +123,72 @@ class Manifest:
     listed: str = ""  # the URL that was listed: ``root`` itself, or the .txt/.csv file for a list
 
     def __post_init__(self) -> None:
+        n = len(self.packed)
+        for name, dtype in _COLUMNS:
+            col = np.ascontiguousarray(getattr(self, name), dtype=dtype)
+            if col.shape != (n,):
+                raise ValueError(f"Manifest.{name} must have {n} entries, got shape {col.shape}")
+            col.flags.writeable = False
+            setattr(self, name, col)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         if not self.fingerprint:
             self.fingerprint = self.compute_fingerprint()
         if not self.listed:
             self.listed = self.root
 
+    @classmethod
+    def from_lists(cls, root: str, listing: Listing, **kw: Any) -> Manifest:
+        return cls(root=root, packed=PackedStrings.pack(listing.paths), labels=np.asarray(listing.targets),
+                   sizes=np.asarray(listing.sizes, dtype=np.int64), mtimes=np.asarray(listing.mtimes),
+                   versions=np.asarray(listing.versions, dtype=np.uint64), classes=list(listing.classes),
+                   ignored=dict(listing.ignored), dirstate=dict(listing.dirstate), **kw)
+
+    # ------------------------------------------------------------ views
     def __len__(self) -> int:
-        return len(self.paths)
+        return len(self.packed)
+
+    @property
+    def paths(self) -> PackedStrings:
+        """Relative paths (a read-only sequence view of the packed blob)."""
+        return self.packed
+
+    @property
+    def targets(self) -> ArrayView:
+        """Labels as a read-only sequence of ints (``np.asarray(targets)`` is the int32 array)."""
+        return ArrayView(self.labels)
+
+    def path(self, i: int) -> str:
+        return self.packed[i]
+
+    def identity(self, i: int) -> str:
+        """``size:mtime:version`` of entry ``i``: what T1 entries and remembered failures are keyed by."""
+        return f"{int(self.sizes[i])}:{float(self.mtimes[i])!r}:{int(self.versions[i]):x}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the columns (the packed paths included)."""
+        return self.packed.nbytes + sum(getattr(self, n).nbytes for n, _ in _COLUMNS)
 
     def compute_fingerprint(self) -> str:
         h = xxhash.xxh3_64()
-        h.update("\x1f".join(self.classes).encode("utf-8") + b"\x1e")
-        for p, s, m, t in zip(self.paths, self.sizes, self.mtimes, self.targets):
-            h.update(f"{p}\x1f{s}\x1f{m:.6f}\x1f{t}\x1e".encode())
+        h.update(b"datacache-manifest-2\x1e" + "\x1f".join(self.classes).encode("utf-8") + b"\x1e")
+        h.update(self.packed.offsets.astype("<i8").tobytes())
+        h.update(self.packed.blob.tobytes())
+        for name, dtype in _COLUMNS:
+            h.update(getattr(self, name).astype(np.dtype(dtype).newbyteorder("<")).tobytes())
         return h.hexdigest()
+
+    def class_counts(self) -> dict[str, int]:
+        counts = np.bincount(self.labels, minlength=len(self.classes)) if len(self) else [0] * len(
+            self.classes)
+        return {c: int(n) for c, n in zip(self.classes, counts)}
 
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, source: str, *, storage_options: dict | None = None, persist_dir: str | None = None,
-              revalidate: str = "dirs") -> Manifest:
+              revalidate: str = "dirs", workers: int = 32) -> Manifest:
         """List ``source`` (ImageFolder tree or .txt/.csv list), reusing a persisted copy when valid."""
-        if revalidate not in REVALIDATE_CHOICES:
-            raise ManifestError(f"revalidate={revalidate!r} is not valid; choose one of "
-                                f"{', '.join(REVALIDATE_CHOICES)}")
+        check_revalidate(revalidate)
         fs, path, url = _open_fs(source, storage_options)
         try:
             info = fs.info(path)
@@ -160,18 +201,12 @@ class Manifest:
         saved_path = cls.persist_path(persist_dir, url) if persist_dir else None
         if saved_path and os.path.exists(saved_path):
             old = cls._try_load(saved_path, url)
-            if old is not None and old._still_valid(fs, path, revalidate):
+            if old is not None and old._still_valid(fs, path, revalidate, workers):
                 log.info("manifest %s: reusing %s (%d files, revalidate=%s)", url, saved_path, len(old),
                          revalidate)
                 return old
-        if info.get("type") == "directory":
-            man = cls._from_folder(fs, path, url)
-        elif path.lower().endswith(LIST_EXTENSIONS):
-            man = cls._from_list(fs, path, url, info)
-        else:
-            raise ManifestError(f"{url}: not a directory nor a .txt/.csv file list; pass an ImageFolder "
-                                "root directory or a file list")
-        if not man.paths:
+        man = cls._list(fs, path, url, info, workers)
+        if not len(man):
             raise ManifestError(f"{url}: no images found (extensions {', '.join(IMG_EXTENSIONS)}; "
                                 f"ignored: {man.ignored}); check the layout root/<class>/<image>")
         if saved_path:
@@ -183,136 +218,41 @@ class Manifest:
         return man
 
     @classmethod
-    def _from_folder(cls, fs: fsspec.AbstractFileSystem, path: str, url: str) -> Manifest:
-        ignored: dict[str, int] = {}
-        dirstate: dict[str, list[float]] = {}
-        top = fs.ls(path, detail=True)
-        dirstate[""] = [_mtime(fs.info(path)), float(len(top))]
-        classes = sorted(posixpath.basename(e["name"].rstrip("/")) for e in top if e["type"] == "directory")
-        n_outside = sum(1 for e in top if e["type"] != "directory")
-        if n_outside:
-            ignored["outside_class"] = n_outside
-        class_to_idx = {c: i for i, c in enumerate(classes)}
-        entries: list[tuple[str, str, int, float, int]] = []
-        for c in classes:
-            cdir = posixpath.join(path, c)
-            found = fs.find(cdir, withdirs=True, detail=True)
-            subdirs = [cdir] + [n for n, i in found.items() if i["type"] == "directory" and n != cdir]
-            counts = dict.fromkeys(subdirs, 0)
-            for n in found:
-                parent = posixpath.dirname(n)
-                if n != cdir and parent in counts:
-                    counts[parent] += 1
-            for d in subdirs:  # (mtime, entry count) per directory, from the walk itself
-                rel = posixpath.relpath(d, path)
-                dirstate[rel] = [_mtime(found.get(d) or fs.info(d)), float(counts[d])]
-            n_before = len(entries)
-            for name, i in found.items():
-                if i["type"] == "directory":
-                    continue
-                rel = posixpath.relpath(name, path)
-                if not is_image(name):
-                    ignored["non_image"] = ignored.get("non_image", 0) + 1
-                    continue
-                entries.append((posixpath.dirname(rel), posixpath.basename(rel), int(i.get("size") or 0),
-                                _mtime(i), class_to_idx[c]))
-            if len(entries) == n_before:
-                ignored["empty_class"] = ignored.get("empty_class", 0) + 1
-                log.warning("manifest %s: class folder %r has no images; it keeps class index %d",
-                            url, c, class_to_idx[c])
-        entries.sort(key=lambda e: (e[0], e[1]))  # torchvision: sorted(os.walk) then sorted(fnames)
-        return cls(root=url, paths=[posixpath.join(d, n) for d, n, *_ in entries],
-                   targets=[e[4] for e in entries], sizes=[e[2] for e in entries],
-                   mtimes=[e[3] for e in entries], classes=classes, class_to_idx=class_to_idx,
-                   ignored=ignored, dirstate=dirstate, kind="folder")
-
-    @classmethod
-    def _from_list(cls, fs: fsspec.AbstractFileSystem, path: str, url: str, info: dict) -> Manifest:
-        base = posixpath.dirname(path)
-        text = fs.cat_file(path).decode("utf-8-sig")
-        rows: list[tuple[str, str | None]] = []
-        for n, line in enumerate(text.splitlines()):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            parts = [p.strip() for p in line.split(",")]
-            if n == 0 and parts[0].lower() in ("path", "relpath", "file", "filename"):
-                continue
-            rows.append((parts[0].lstrip("/"), parts[1] if len(parts) > 1 and parts[1] else None))
-        labels = [lab for _, lab in rows]
-        if any(lab is None for lab in labels):
-            names = [r.split("/", 1)[0] for r, _ in rows]
-            classes = sorted(set(names))
-            idx = {c: i for i, c in enumerate(classes)}
-            targets_all = [idx[nm] for nm in names]
-        elif all(lab.lstrip("-").isdigit() for lab in labels if lab is not None):
-            ints = [int(lab) for lab in labels if lab is not None]
-            if min(ints, default=0) < 0:
-                raise ManifestError(f"{url}: negative label in file list")
-            classes = [str(i) for i in range(max(ints, default=-1) + 1)]
-            targets_all = ints
-        else:
-            classes = sorted({lab for lab in labels if lab is not None})
-            idx = {c: i for i, c in enumerate(classes)}
-            targets_all = [idx[lab] for lab in labels if lab is not None]
-        # one directory listing per distinct parent dir instead of one stat per file
-        listings: dict[str, dict[str, dict]] = {}
-        dirstate: dict[str, list[float]] = {"": [_mtime(info), float(info.get("size") or 0)]}
-        paths, targets, sizes, mtimes = [], [], [], []
-        ignored: dict[str, int] = {}
-        for (rel, _), t in zip(rows, targets_all):
-            d = posixpath.dirname(rel)
-            if d not in listings:
-                full_d = posixpath.join(base, d) if d else base
-                try:
-                    ents = fs.ls(full_d, detail=True)
-                    listings[d] = {posixpath.basename(e["name"].rstrip("/")): e for e in ents}
-                    dirstate["dir:" + d] = [_mtime(fs.info(full_d)), float(len(ents))]
-                except FileNotFoundError:
-                    listings[d] = {}
-            ent = listings[d].get(posixpath.basename(rel))
-            if ent is None:
-                ignored["missing"] = ignored.get("missing", 0) + 1
-                log.warning("manifest %s: listed file %r does not exist; skipped", url, rel)
-                continue
-            if not is_image(rel):
-                ignored["non_image"] = ignored.get("non_image", 0) + 1
-                continue
-            paths.append(rel)
-            targets.append(t)
-            sizes.append(int(ent.get("size") or 0))
-            mtimes.append(_mtime(ent))
-        # root = the directory the listed paths are relative to, so Source(root).read(path) works
-        return cls(root=fs.unstrip_protocol(base), paths=paths, targets=targets, sizes=sizes, mtimes=mtimes,
-                   classes=classes, class_to_idx={c: i for i, c in enumerate(classes)}, ignored=ignored,
-                   dirstate=dirstate, kind="list", listed=url)
+    def _list(cls, fs: fsspec.AbstractFileSystem, path: str, url: str, info: dict, workers: int) -> Manifest:
+        if info.get("type") == "directory":
+            return cls.from_lists(url, list_folder(fs, path, url, workers=workers), kind="folder")
+        if path.lower().endswith(LIST_EXTENSIONS):
+            # root = the directory the listed paths are relative to, so Source(root).read(path) works
+            return cls.from_lists(fs.unstrip_protocol(posixpath.dirname(path)),
+                                  list_file(fs, path, url, info, workers=workers), kind="list", listed=url)
+        raise ManifestError(f"{url}: not a directory nor a .txt/.csv file list; pass an ImageFolder "
+                            "root directory or a file list")
 
     # ------------------------------------------------------------ revalidate
-    def _still_valid(self, fs: fsspec.AbstractFileSystem, path: str, mode: str) -> bool:
+    def _still_valid(self, fs: fsspec.AbstractFileSystem, path: str, mode: str, workers: int) -> bool:
         if mode == "none":
             return True
         if mode == "dirs" and self.dirstate and all(v[0] for v in self.dirstate.values()):
+            keys = list(self.dirstate)
             try:
-                return all(self._dir_state(fs, path, k) == v for k, v in self.dirstate.items())
+                if self.kind == "list" and "" in self.dirstate:
+                    i = fs.info(path)
+                    if [mtime_of(i), float(i.get("size") or 0)] != self.dirstate[""]:
+                        return False
+                    keys.remove("")
+                fresh = dir_states(fs, [self._dir_url(path, k) for k in keys], workers=workers)
             except OSError:
                 return False
+            return all(fresh[j] == self.dirstate[k] for j, k in enumerate(keys))
         # "full" (or no usable directory mtimes): re-list and compare fingerprints
-        if self.kind == "folder":
-            fresh = self._from_folder(fs, path, self.root)
-        else:
-            fresh = self._from_list(fs, path, self.listed, fs.info(path))
-        return fresh.fingerprint == self.fingerprint
+        info = fs.info(path)
+        return self._list(fs, path, self.listed, info, workers).fingerprint == self.fingerprint
 
-    def _dir_state(self, fs: fsspec.AbstractFileSystem, path: str, key: str) -> list[float]:
+    def _dir_url(self, path: str, key: str) -> str:
         if self.kind == "list":
-            if key == "":
-                i = fs.info(path)
-                return [_mtime(i), float(i.get("size") or 0)]
             d = key[4:]
-            full = posixpath.join(posixpath.dirname(path), d) if d else posixpath.dirname(path)
-        else:
-            full = posixpath.join(path, key) if key else path
-        return [_mtime(fs.info(full)), float(len(fs.ls(full, detail=False)))]
+            return posixpath.join(posixpath.dirname(path), d) if d else posixpath.dirname(path)
+        return posixpath.join(path, key) if key else path
 
     # ---------------------------------------------------------- persistence
     @staticmethod
@@ -323,9 +263,10 @@ class Manifest:
         return os.path.join(persist_dir, f"manifest-{xxhash.xxh3_64_hexdigest(url.encode())}.msgpack")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": MANIFEST_FORMAT, "root": self.root, "paths": self.paths, "targets": self.targets,
-                "sizes": self.sizes, "mtimes": self.mtimes, "classes": self.classes,
-                "fingerprint": self.fingerprint, "ignored": self.ignored, "dirstate": self.dirstate,
+        cols = {n: getattr(self, n).astype(np.dtype(d).newbyteorder("<")).tobytes() for n, d in _COLUMNS}
+        return {"format": MANIFEST_FORMAT, "root": self.root, "classes": self.classes,
+                "blob": self.packed.blob.tobytes(), "offsets": self.packed.offsets.astype("<i8").tobytes(),
+                **cols, "fingerprint": self.fingerprint, "ignored": self.ignored, "dirstate": self.dirstate,
                 "kind": self.kind, "listed": self.listed}
 
     def save(self, path: str) -> None:
@@ -344,12 +285,12 @@ class Manifest:
                 d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
             if not isinstance(d, dict) or d.get("format") != MANIFEST_FORMAT:
                 raise ValueError("unknown format")
-            classes = list(d["classes"])
-            man = cls(root=d["root"], paths=list(d["paths"]), targets=list(d["targets"]),
-                      sizes=list(d["sizes"]), mtimes=[float(m) for m in d["mtimes"]], classes=classes,
-                      class_to_idx={c: i for i, c in enumerate(classes)}, fingerprint="",
+            cols = {n: np.frombuffer(d[n], dtype=np.dtype(t).newbyteorder("<")) for n, t in _COLUMNS}
+            packed = PackedStrings(np.frombuffer(d["blob"], dtype=np.uint8),
+                                   np.frombuffer(d["offsets"], "<i8"))
+            man = cls(root=d["root"], packed=packed, classes=list(d["classes"]), fingerprint="",
                       ignored=dict(d["ignored"]), dirstate={k: list(v) for k, v in d["dirstate"].items()},
-                      kind=d.get("kind", "folder"), listed=d.get("listed", ""))
+                      kind=d["kind"], listed=d["listed"], **cols)
         except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise ManifestError(f"{path}: not a readable datacache manifest ({e}); "
                                 "delete it to re-list") from e
@@ -366,9 +307,3 @@ class Manifest:
             log.warning("%s", e)
             return None
         return man if man.listed == url else None
-
-    def class_counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(self.classes, 0)
-        for t in self.targets:
-            counts[self.classes[t]] += 1
-        return counts

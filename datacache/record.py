@@ -6,8 +6,11 @@ Layout::
 
 The header is a msgpack map ``{v, h, w, c, dtype, label, enc, n, xxh3}``: format version,
 shape, dtype (always ``"uint8"``), the integer label, the payload encoding (``"raw"`` pixels
-or ``"jpeg"``), the payload length and an xxh3_64 checksum over those fields and the
-payload (so a flipped bit in the label is caught as well as one in the pixels). ``raw`` payloads
+or ``"jpeg"``), the payload length and an xxh3_64 checksum over **the key the record is stored
+under**, those fields and the payload. A flipped bit in the label is caught as well as one in the
+pixels, and a record stored or returned under another key (a reassembled multi-node reply, a
+copy bug) fails its check: :func:`decode_record` is given the key it was asked for. Format 2
+introduced the key binding; records of format 1 are misses (re-decoded and rewritten). ``raw`` payloads
 are decoded zero-copy: :func:`decode_record` returns a read-only ``np.frombuffer`` view of
 the payload slice of the buffer it was given (an LMDB ``buffers=True`` memoryview, a Redis
 reply ...), so a cache hit costs one checksum pass and no copy. A ``jpeg`` payload
@@ -34,22 +37,26 @@ from PIL import Image
 
 from datacache.config import Variant
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 256
 _MAX_SIDE = 1 << 15
 
 
-def _digest(v: int, h: int, w: int, c: int, label: int, enc: str, n: int, payload: bytes | memoryview) -> int:
-    """xxh3_64 over the header fields *and* the payload: a flipped label bit is caught too."""
+def _digest(key: bytes, v: int, h: int, w: int, c: int, label: int, enc: str, n: int,
+            payload: bytes | memoryview) -> int:
+    """xxh3_64 over the key, the header fields *and* the payload."""
     x = xxhash.xxh3_64()
+    x.update(b"%d:" % len(key))
+    x.update(key)
     x.update(f"{v}:{h}:{w}:{c}:uint8:{label}:{enc}:{n}:".encode())
     x.update(payload)
     return x.intdigest()
 
 
-def encode_record(pixels: np.ndarray, label: int, variant: Variant | None = None) -> bytes:
-    """Serialise an ``[H, W, C]`` uint8 sample and its label (JPEG payload if the variant says so)."""
+def encode_record(pixels: np.ndarray, label: int, variant: Variant | None = None, *, key: bytes) -> bytes:
+    """Serialise an ``[H, W, C]`` uint8 sample and its label for storage under ``key`` (JPEG payload
+    if the variant says so)."""
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] not in (1, 3):
         raise ValueError(f"encode_record expects uint8 [H, W, 3|1] pixels, got {pixels.dtype} {pixels.shape}")
     h, w, c = (int(x) for x in pixels.shape)
@@ -60,7 +67,7 @@ def encode_record(pixels: np.ndarray, label: int, variant: Variant | None = None
         payload, enc = buf.getvalue(), "jpeg"
     else:
         payload, enc = np.ascontiguousarray(pixels).tobytes(), "raw"
-    digest = _digest(FORMAT_VERSION, h, w, c, int(label), enc, len(payload), payload)
+    digest = _digest(bytes(key), FORMAT_VERSION, h, w, c, int(label), enc, len(payload), payload)
     header = msgpack.packb({"v": FORMAT_VERSION, "h": h, "w": w, "c": c, "dtype": "uint8",
                             "label": int(label), "enc": enc, "n": len(payload), "xxh3": digest},
                            use_bin_type=True)
@@ -81,8 +88,9 @@ def _header(mv: memoryview) -> tuple[dict, int] | None:
     return (hdr, _LEN.size + n) if isinstance(hdr, dict) else None
 
 
-def decode_record(buf: bytes | memoryview) -> tuple[np.ndarray, int] | None:
-    """``(pixels [H, W, C] uint8, label)`` or ``None`` when the record fails any check."""
+def decode_record(buf: bytes | memoryview, key: bytes) -> tuple[np.ndarray, int] | None:
+    """``(pixels [H, W, C] uint8, label)`` or ``None`` when the record fails any check, including
+    when it was not written for ``key``."""
     try:
         mv = memoryview(buf).cast("B")
     except (TypeError, ValueError):
@@ -104,7 +112,7 @@ def decode_record(buf: bytes | memoryview) -> tuple[np.ndarray, int] | None:
     if not (0 < h <= _MAX_SIDE and 0 < w <= _MAX_SIDE and c in (1, 3)) or off + n != len(mv):
         return None
     payload = mv[off:]
-    if _digest(hdr["v"], h, w, c, label, enc, n, payload) != digest:
+    if _digest(key, hdr["v"], h, w, c, label, enc, n, payload) != digest:
         return None
     if enc == "raw":
         if n != h * w * c:

@@ -2,8 +2,11 @@
 
 Real NFS cannot be mounted on the development machines (no kernel module), so this is the
 documented NFS / object-store stand-in for tests and benchmarks: a subclass of fsspec's
-``LocalFileSystem`` whose every *request* — ``info``/``ls``/``exists`` metadata calls and
-each ``open`` — first sleeps ``latency_ms`` milliseconds, and whose data transfer is paced
+``LocalFileSystem`` whose every *request* -- an ``info``/``exists`` metadata call, one
+directory listing (``ls``, and so each directory of ``find``/``walk``) and each ``open`` --
+first sleeps ``latency_ms`` milliseconds. A listing returns every entry's size and mtime for
+that one latency, as NFS READDIRPLUS and S3 ListObjectsV2 do (the per-entry ``stat`` that
+``LocalFileSystem.ls`` makes locally is not charged). Data transfer is paced
 to ``mbps`` megabytes per second shared by all threads of the process (a link: each read
 reserves ``nbytes / rate`` seconds of link time after the reads queued before it and
 sleeps until its slot ends). The sleeps are real, so concurrent readers overlap their
@@ -18,7 +21,8 @@ Options come from ``storage_options`` or the URL query string::
     fsspec.open("simplecache::slowfile:///data/x.jpg", slowfile={"latency_ms": 5})
 
 Every request is counted in :data:`COUNTERS` (per process: ``requests``, ``opens``,
-``bytes``) so tests can show that a T1 (``simplecache::``) hit makes no request at all
+``listings``, ``bytes``, and the most listings ever in flight at once,
+``max_concurrent_listings``) so tests can show that a T1 hit makes no request at all
 without asserting on time. Importing :mod:`datacache.slowfs` registers the protocol; it is
 also imported by :mod:`datacache.source`.
 """
@@ -35,8 +39,11 @@ from urllib.parse import parse_qsl, urlsplit
 import fsspec
 from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
 
-COUNTERS: dict[str, int] = {"requests": 0, "opens": 0, "bytes": 0}
+COUNTERS: dict[str, int] = {"requests": 0, "opens": 0, "bytes": 0, "listings": 0,
+                            "max_concurrent_listings": 0}
+_listing_now = [0]  # listings in flight (for max_concurrent_listings)
 _lock = threading.Lock()
+_in_listing = threading.local()  # set while ls() stats its entries: those stats are not requests
 
 
 def reset_counters() -> None:
@@ -48,7 +55,7 @@ def reset_counters() -> None:
 def _count(key: str, n: int = 1) -> None:
     with _lock:
         COUNTERS[key] += n
-        if key != "requests" and key != "bytes":
+        if key in ("opens", "listings"):
             COUNTERS["requests"] += n
 
 
@@ -109,12 +116,25 @@ class SlowFileSystem(LocalFileSystem):
 
     # -- metadata requests
     def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
-        self._wait()
+        if not getattr(_in_listing, "active", False):
+            self._wait()
         return super().info(path, **kwargs)
 
     def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> Any:
-        self._wait()
-        return super().ls(path, detail=detail, **kwargs)
+        """One request per listing, sizes and mtimes included (READDIRPLUS / ListObjectsV2)."""
+        _count("listings")
+        with _lock:
+            _listing_now[0] += 1
+            COUNTERS["max_concurrent_listings"] = max(COUNTERS["max_concurrent_listings"], _listing_now[0])
+        _in_listing.active = True
+        try:
+            if self.latency_s > 0:
+                time.sleep(self.latency_s)
+            return super().ls(path, detail=detail, **kwargs)
+        finally:
+            _in_listing.active = False
+            with _lock:
+                _listing_now[0] -= 1
 
     # -- data requests
     def _open(self, path: Any, mode: str = "rb", block_size: Any = None, autocommit: bool = True,

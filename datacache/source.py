@@ -1,23 +1,23 @@
 """Reading original files (T0) through a local raw-bytes disk cache (T1).
 
 Every source is an fsspec URL (``/data/train``, ``file://``, ``slowfile://`` (the NFS
-stand-in, :mod:`datacache.slowfs`), ``s3://``, ``http://`` ...). T1 is fsspec's own
-``simplecache`` over the source filesystem, in ``t1_dir``: its cache layout (one file per
-source path, named by the sha256 of the path) is shared with a plain
-``simplecache::<url>`` opened with the same ``cache_storage``.
+stand-in, :mod:`datacache.slowfs`), ``s3://``, ``http://`` ...). T1 keeps raw file bytes in
+``t1_dir``, one file per source path named like fsspec's ``simplecache`` (sha256 of the path),
+with three deliberate differences from ``simplecache``:
 
-Two deliberate deviations from ``simplecache``'s own open():
-
-* **Atomic fills.** simplecache downloads straight into the final cache file, so a
-  concurrent reader (another DataLoader worker) can see half a file and a download
-  interrupted by a crash leaves a truncated file that is then served forever. We look
-  entries up with simplecache's mapping, read misses from the source filesystem
-  ourselves (with retries) and publish them with ``os.replace`` of a temp file.
-* **Size check.** ``read(relpath, expect_size=n)`` (the manifest's size) drops a T1 entry
-  whose length differs, so a source file rewritten with a new size is re-read. A rewrite
-  that keeps the size is not detected by T1 (the manifest fingerprint still changes, so
-  no stale *decoded* sample is served from T2/T3, but T1 returns the old bytes): clear
-  ``t1_dir`` after in-place edits of a dataset.
+* **Keyed by the file's identity.** Each entry starts with a small header holding the identity
+  the manifest listed for the file (size, mtime, and the ETag/version where the protocol has one:
+  :meth:`datacache.manifest.Manifest.identity`). A lookup hits only when the entry's identity
+  *and* its length equal the manifest entry's, so a file replaced by another of the same size
+  (rsync's write-then-rename) is never served from its old copy: the entry is refilled.
+  Reads without an identity skip T1.
+* **Atomic fills.** simplecache downloads straight into the final cache file, so a concurrent
+  reader (another DataLoader worker) can see half a file and an interrupted download leaves a
+  truncated file that is served forever. Misses are read from the source filesystem (with
+  retries) and published with ``os.replace`` of a temp file.
+* **Length check.** A read from the source whose length differs from the manifest's size (the
+  file changed, or a short read) is a transient failure (:class:`SizeMismatchError`): retried,
+  then reported as a :class:`SourceError` for this run, and never written to T1.
 
 Local sources skip T1: for ``file://`` copying a file from one local disk to another gains
 nothing and doubles the disk use (``force_t1=True`` overrides; a URL that already chains a
@@ -74,8 +74,35 @@ def _new_init_lock() -> None:  # fork boundary: a lock held by a parent thread w
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_init_lock)
 
+_T1_MAGIC = b"DCT1"
+
+
+def _t1_header(identity: str) -> bytes:
+    ident = identity.encode()
+    return _T1_MAGIC + len(ident).to_bytes(2, "little") + ident
+
+
+def _t1_unwrap(raw: bytes, identity: str) -> bytes | None:
+    """The payload of a T1 entry if it was written for ``identity``, else None."""
+    head = _t1_header(identity)
+    return raw[len(head):] if raw.startswith(head) else None
+
 _PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 _LOCAL_PROTOCOLS = ("file", "local")
+
+
+class SizeMismatchError(OSError):
+    """The bytes read differ in length from the manifest's size (transient: retried, never cached)."""
+
+    def __init__(self, got: int, expected: int) -> None:
+        super().__init__(f"read {got} bytes but the listing says {expected}: the file changed since the "
+                         "dataset was listed, or the read was cut short (re-list with revalidate='full' "
+                         "to pick up the new version)")
+        self.got = got
+        self.expected = expected
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SizeMismatchError, (self.got, self.expected))
 
 
 class SourceError(Exception):
@@ -91,7 +118,7 @@ class SourceError(Exception):
 
 
 def _picklable(e: Any) -> bool:
-    return isinstance(e, (str, OSError, TimeoutError, ValueError))
+    return isinstance(e, (str, SizeMismatchError, OSError, TimeoutError, ValueError))
 
 
 def _advice(cause: BaseException | str) -> str:
@@ -106,6 +133,8 @@ def _advice(cause: BaseException | str) -> str:
         return "a component of the path is not a directory; check the dataset layout"
     if isinstance(cause, PermissionError):
         return "permission denied; fix the file permissions or the storage credentials"
+    if isinstance(cause, SizeMismatchError):
+        return str(cause)
     return f"{type(cause).__name__}: {cause}; check the storage/network health (retried with backoff)"
 
 
@@ -194,15 +223,16 @@ class Source:
         return os.path.join(cfs.storage[-1], cfs._mapper(cfs._strip_protocol(full)))  # simplecache layout
 
     # -------------------------------------------------------------- reading
-    def read(self, relpath: str, *, expect_size: int | None = None) -> bytes:
-        """Bytes of ``relpath``; raises :class:`SourceError` naming the file."""
+    def read(self, relpath: str, *, size: int | None = None, identity: str | None = None) -> bytes:
+        """Bytes of ``relpath``; ``size``/``identity`` from the manifest (see the module docstring).
+        Raises :class:`SourceError` naming the file."""
         self._ensure()
-        return self._read(relpath, expect_size, lookup=True)
+        return self._read(relpath, size, identity, lookup=True)
 
-    def _read(self, relpath: str, expect_size: int | None, *, lookup: bool) -> bytes:
+    def _read(self, relpath: str, size: int | None, identity: str | None, *, lookup: bool) -> bytes:
         for attempt in range(self.retries + 1):
             try:
-                return self._read_once(relpath, expect_size, lookup and attempt == 0)
+                return self._read_once(relpath, size, identity, lookup and attempt == 0)
             except Exception as e:
                 if attempt < self.retries and is_transient(e):
                     self._count("retries")
@@ -212,32 +242,35 @@ class Source:
                 raise SourceError(self.url_of(relpath), e) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _read_once(self, relpath: str, expect_size: int | None, lookup: bool) -> bytes:
-        full = self._full(relpath)
-        if not self.use_t1:
-            data = self._fs.cat_file(full)
-            self._count("bytes_read", len(data))
-            return data
-        fn = self._t1_file(full)
-        hit = self._t1_get(fn, expect_size) if lookup else None
-        if hit is not None:
-            return hit
+    def _fetch(self, full: str, size: int | None) -> bytes:
         data = self._fs.cat_file(full)
         self._count("bytes_read", len(data))
-        self._t1_put(fn, data)
+        if size is not None and size >= 0 and len(data) != size:
+            raise SizeMismatchError(len(data), size)  # transient; never reaches T1
         return data
 
-    def _t1_get(self, fn: str, expect_size: int | None) -> bytes | None:
+    def _read_once(self, relpath: str, size: int | None, identity: str | None, lookup: bool) -> bytes:
+        full = self._full(relpath)
+        if not self.use_t1 or identity is None:
+            return self._fetch(full, size)
+        fn = self._t1_file(full)
+        hit = self._t1_get(fn, size, identity) if lookup else None
+        if hit is not None:
+            return hit
+        data = self._fetch(full, size)
+        self._t1_put(fn, data, identity)
+        return data
+
+    def _t1_get(self, fn: str, size: int | None, identity: str) -> bytes | None:
         try:
             with open(fn, "rb") as f:
-                data = f.read()
-        except (FileNotFoundError, IsADirectoryError):
+                raw = f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             self._count("t1_misses")
             return None
-        if expect_size is not None and len(data) != expect_size:
-            with contextlib.suppress(FileNotFoundError):  # the source changed size: drop the entry
-                os.remove(fn)
-            self._count("t1_misses")
+        data = _t1_unwrap(raw, identity)
+        if data is None or (size is not None and size >= 0 and len(data) != size):
+            self._count("t1_misses")  # another version of the file (or damaged): refilled by the caller
             return None
         if self.t1_max_bytes:
             with contextlib.suppress(FileNotFoundError):
@@ -245,13 +278,14 @@ class Source:
         self._count("t1_hits")
         return data
 
-    def _t1_put(self, fn: str, data: bytes) -> None:
+    def _t1_put(self, fn: str, data: bytes, identity: str) -> None:
         tmp = f"{fn}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
+                f.write(_t1_header(identity))
                 f.write(data)
             os.replace(tmp, fn)  # atomic publish: readers never see a partial entry
-        except OSError:  # a full T1 disk must not fail the read
+        except OSError:  # a full or read-only T1 disk must not fail the read
             with contextlib.suppress(OSError):
                 os.remove(tmp)
             return
@@ -293,57 +327,67 @@ class Source:
         self._count("t1_evicted_bytes", removed)
         return removed
 
-    def read_many(self, relpaths: Sequence[str], *, expect_sizes: Sequence[int] | None = None
-                  ) -> list[bytes | SourceError]:
+    def read_many(self, relpaths: Sequence[str], *, sizes: Sequence[int] | None = None,
+                  identities: Sequence[str] | None = None) -> list[bytes | SourceError]:
         """Read many files concurrently; a failing file yields its SourceError, never raises."""
         self._ensure()
         n = len(relpaths)
-        sizes = list(expect_sizes) if expect_sizes is not None else [None] * n
+        sz: list[int | None] = list(sizes) if sizes is not None else [None] * n
+        ids: list[str | None] = list(identities) if identities is not None else [None] * n
         out: list[bytes | SourceError | None] = [None] * n
         todo = list(range(n))
         if self.use_t1:
             todo = []
             for i, rp in enumerate(relpaths):
-                hit = self._t1_get(self._t1_file(self._full(rp)), sizes[i])
+                ident = ids[i]
+                hit = None if ident is None else self._t1_get(self._t1_file(self._full(rp)), sz[i], ident)
                 if hit is None:
                     todo.append(i)
                 else:
                     out[i] = hit
         if todo and getattr(self._fs, "async_impl", False) and len(todo) > 1:
-            fulls = [self._full(relpaths[i]) for i in todo]
-            try:
-                got = self._fs.cat(fulls, on_error="return")  # one concurrent async gather
-            except Exception:  # the gather itself failed: fall back to per-file reads with retries
-                got = {}
-            retry = []
-            for i, full in zip(todo, fulls):
-                val = got.get(full, got.get(self._fs._strip_protocol(full)))
-                if isinstance(val, (bytes, bytearray)):
-                    data = bytes(val)
-                    self._count("bytes_read", len(data))
-                    if self.use_t1:
-                        self._t1_put(self._t1_file(full), data)
-                    out[i] = data
-                elif isinstance(val, BaseException) and not is_transient(val):
-                    self._count("errors")
-                    out[i] = SourceError(self.url_of(relpaths[i]), val)  # permanent: no second request
-                else:
-                    retry.append(i)  # transient errors go through read()'s retry loop
-            todo = retry
+            todo = self._read_async(relpaths, todo, sz, ids, out)
         if todo:
             if self._pool is None:
                 # Thread pool of THIS process: threads do not survive a fork, so _ensure() drops
                 # an inherited pool (pid check) and __getstate__ never ships it (spawn).
                 self._pool = ThreadPoolExecutor(max_workers=max(1, self.workers),
                                                 thread_name_prefix="datacache-source")
-            futs = {i: self._pool.submit(self._read_or_error, relpaths[i], sizes[i]) for i in todo}
+            futs = {i: self._pool.submit(self._read_or_error, relpaths[i], sz[i], ids[i]) for i in todo}
             for i, f in futs.items():
                 out[i] = f.result()
         return out  # type: ignore[return-value]
 
-    def _read_or_error(self, relpath: str, expect_size: int | None) -> bytes | SourceError:
+    def _read_async(self, relpaths: Sequence[str], todo: list[int], sz: list[int | None],
+                    ids: list[str | None], out: list[Any]) -> list[int]:
+        """One concurrent async gather; returns the positions to retry through the per-file path."""
+        fulls = [self._full(relpaths[i]) for i in todo]
+        try:
+            got = self._fs.cat(fulls, on_error="return")
+        except Exception:  # the gather itself failed: fall back to per-file reads with retries
+            got = {}
+        retry = []
+        for i, full in zip(todo, fulls):
+            val = got.get(full, got.get(self._fs._strip_protocol(full)))
+            if isinstance(val, (bytes, bytearray)):
+                data = bytes(val)
+                self._count("bytes_read", len(data))
+                if sz[i] is not None and sz[i] >= 0 and len(data) != sz[i]:
+                    retry.append(i)  # length differs from the listing: transient, retried
+                    continue
+                if self.use_t1 and ids[i] is not None:
+                    self._t1_put(self._t1_file(full), data, ids[i])
+                out[i] = data
+            elif isinstance(val, BaseException) and not is_transient(val):
+                self._count("errors")
+                out[i] = SourceError(self.url_of(relpaths[i]), val)  # permanent: no second request
+            else:
+                retry.append(i)  # transient errors go through read()'s retry loop
+        return retry
+
+    def _read_or_error(self, relpath: str, size: int | None, identity: str | None) -> bytes | SourceError:
         try:  # the T1 lookup was already done by read_many: go to the source (with retries)
-            return self._read(relpath, expect_size, lookup=False)
+            return self._read(relpath, size, identity, lookup=False)
         except SourceError as e:
             return e
 

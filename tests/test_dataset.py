@@ -13,8 +13,9 @@ import torch
 from client.dataset import CachedImageNet, DatasetError
 from client.storeio import manifest_dir_for
 from datacache import synth
+from datacache.cacheurl import OptionSpec, SchemeSpec, register_scheme
 from datacache.config import ConfigError
-from datacache.stores import MemoryStore, register_scheme
+from datacache.stores import MemoryStore
 
 SHORT = 48
 
@@ -84,7 +85,7 @@ def test_pickles_cheaply_without_handles(folder: str, tmp_path) -> None:
     assert torch.equal(clone[0][0], ds[0][0])
 
 
-@pytest.mark.parametrize("damage", ["truncate", "bitflip", "wrong_label"])
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "wrong_label", "foreign_key"])
 def test_invalid_record_is_a_miss_and_rewritten(folder: str, tmp_path, damage: str) -> None:
     ds = CachedImageNet(folder, _lmdb(tmp_path), short_side=SHORT, t1_dir=None)
     good, label = ds[4]
@@ -98,11 +99,15 @@ def test_invalid_record_is_a_miss_and_rewritten(folder: str, tmp_path, damage: s
     elif damage == "bitflip":
         rec[-10] ^= 0x01
         bad = bytes(rec)
+    elif damage == "foreign_key":  # a valid record of another sample (same label) under this key
+        j = next(j for j in range(len(ds)) if j != 4 and ds.targets[j] == label)
+        ds[j]
+        bad = bytes(store.get_many([ds.key(j)])[0])
     else:
         from datacache.record import decode_record, encode_record
 
-        pixels, lab = decode_record(bytes(rec))
-        bad = encode_record(np.ascontiguousarray(pixels), lab + 1)
+        pixels, lab = decode_record(bytes(rec), key)
+        bad = encode_record(np.ascontiguousarray(pixels), lab + 1, key=key)
     assert store.put_many([(key, bad)], overwrite=True) == 1
     ds.reset_stats()
     img, lab2 = ds[4]
@@ -170,19 +175,21 @@ def test_bad_inputs_raise_names_the_file(bad_folder, case: str) -> None:
 
 
 class _CountingStore(MemoryStore):
-    """A process-local store under a non-local scheme, recording the size of every read."""
+    """A process-local store recording the size of every backend read (a network store's round trips)."""
 
     calls: ClassVar[list[int]] = []
 
-    def get_many(self, keys):  # type: ignore[override]
+    def _get_many(self, keys):  # type: ignore[override]
         _CountingStore.calls.append(len(keys))
-        return super().get_many(keys)
+        return super()._get_many(keys)
 
 
-def test_network_store_reads_are_chunked_by_fetch_bytes(folder: str) -> None:
-    register_scheme("counting", lambda rest, url, opts: _CountingStore(url))
-    # ~9 KB expected per 48-px record -> 20 KB per read = 2 keys per round trip
-    ds = CachedImageNet(folder, "counting://t", short_side=SHORT, t1_dir=None, fetch_bytes=20_000)
+def test_store_reads_are_chunked_by_bytes_inside_the_store(folder: str) -> None:
+    register_scheme(SchemeSpec(
+        "counting", lambda spec: _CountingStore(spec.url, fetch_bytes=spec.option("fetch_bytes")),
+        options={"fetch_bytes": OptionSpec("bytes")}))
+    # ~9 KB expected per 48-px record -> 20 KB per round trip = 2 keys per read
+    ds = CachedImageNet(folder, "counting://t?fetch_bytes=20000", short_side=SHORT, t1_dir=None)
     ds.__getitems__(list(range(6)))  # cold: writes the records
     _CountingStore.calls.clear()
     out = ds.__getitems__(list(range(6)))

@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from datacache.config import Variant
+from datacache.keys import sample_key
 from datacache.record import FORMAT_VERSION, decode_record, encode_record
+
+K = sample_key("0123456789abcdef", "s160m320bilinear-raw", 5)
 
 
 @pytest.fixture(scope="module")
@@ -18,50 +21,50 @@ def pixels() -> np.ndarray:
 
 
 def test_raw_roundtrip_is_zero_copy(pixels: np.ndarray) -> None:
-    rec = encode_record(pixels, 7)
+    rec = encode_record(pixels, 7, key=K)
     buf = bytearray(rec)
-    out = decode_record(memoryview(buf))
+    out = decode_record(memoryview(buf), K)
     assert out is not None
     arr, label = out
     assert label == 7 and arr.dtype == np.uint8 and arr.shape == pixels.shape
     assert np.array_equal(arr, pixels)
     assert np.shares_memory(arr, np.frombuffer(buf, dtype=np.uint8))  # a view, not a copy
-    assert decode_record(rec) is not None and decode_record(bytes(rec))[1] == 7
+    assert decode_record(rec, K) is not None and decode_record(bytes(rec), K)[1] == 7
 
 
 def test_jpeg_encoding_is_smaller_and_close(pixels: np.ndarray) -> None:
-    raw = encode_record(pixels, 1)
-    jpg = encode_record(pixels, 1, Variant(encoding="jpeg"))
+    raw = encode_record(pixels, 1, key=K)
+    jpg = encode_record(pixels, 1, Variant(encoding="jpeg"), key=K)
     assert len(jpg) * 3 < len(raw)
-    arr, label = decode_record(jpg)
+    arr, label = decode_record(jpg, K)
     assert label == 1 and arr.shape == pixels.shape
     assert np.abs(arr.astype(int) - pixels.astype(int)).mean() < 6
 
 
 def test_rejects_bad_input_to_encoder() -> None:
     with pytest.raises(ValueError):
-        encode_record(np.zeros((4, 4, 3), np.float32), 0)
+        encode_record(np.zeros((4, 4, 3), np.float32), 0, key=K)
     with pytest.raises(ValueError):
-        encode_record(np.zeros((4, 4), np.uint8), 0)
+        encode_record(np.zeros((4, 4), np.uint8), 0, key=K)
 
 
 def test_every_damaged_record_is_a_miss(pixels: np.ndarray) -> None:
     small = pixels[:40, :50]
-    for rec in (encode_record(small, 3), encode_record(small, 3, Variant(encoding="jpeg"))):
+    for rec in (encode_record(small, 3, key=K), encode_record(small, 3, Variant(encoding="jpeg"), key=K)):
         # truncation anywhere
         for cut in sorted({0, 1, 3, 4, 10, len(rec) // 2, len(rec) - 1}):
-            assert decode_record(rec[:cut]) is None, cut
+            assert decode_record(rec[:cut], K) is None, cut
         # one flipped bit anywhere (header or payload)
         rng = np.random.default_rng(1)
         for pos in list(range(0, 40)) + list(rng.integers(40, len(rec), 60)):
             bad = bytearray(rec)
             bad[int(pos)] ^= 1 << int(rng.integers(0, 8))
-            assert decode_record(bytes(bad)) is None, pos  # the checksum covers header and payload
-        assert decode_record(rec + b"x") is None  # trailing garbage
+            assert decode_record(bytes(bad), K) is None, pos  # the checksum covers header and payload
+        assert decode_record(rec + b"x", K) is None  # trailing garbage
 
 
 def test_header_lies_and_foreign_values_are_misses(pixels: np.ndarray) -> None:
-    rec = encode_record(pixels[:8, :8], 2)
+    rec = encode_record(pixels[:8, :8], 2, key=K)
     n = int.from_bytes(rec[:4], "little")
     hdr = msgpack.unpackb(rec[4:4 + n])
     payload = rec[4 + n:]
@@ -70,14 +73,41 @@ def test_header_lies_and_foreign_values_are_misses(pixels: np.ndarray) -> None:
         h = msgpack.packb({**hdr, **changes})
         return len(h).to_bytes(4, "little") + h + payload
 
-    assert decode_record(rebuild()) is not None
-    assert decode_record(rebuild(v=FORMAT_VERSION + 1)) is None
-    assert decode_record(rebuild(h=9)) is None          # size mismatch
-    assert decode_record(rebuild(dtype="float32")) is None
-    assert decode_record(rebuild(enc="png")) is None
-    assert decode_record(rebuild(xxh3=hdr["xxh3"] ^ 1)) is None
-    assert decode_record(rebuild(label="7")) is None
+    assert decode_record(rebuild(), K) is not None
+    assert decode_record(rebuild(v=FORMAT_VERSION + 1), K) is None
+    assert decode_record(rebuild(h=9), K) is None          # size mismatch
+    assert decode_record(rebuild(dtype="float32"), K) is None
+    assert decode_record(rebuild(enc="png"), K) is None
+    assert decode_record(rebuild(xxh3=hdr["xxh3"] ^ 1), K) is None
+    assert decode_record(rebuild(label="7"), K) is None
     # never unpickled: a pickle (even of a valid-looking tuple) is just a miss
-    assert decode_record(pickle.dumps((pixels[:8, :8], 2))) is None
+    assert decode_record(pickle.dumps((pixels[:8, :8], 2)), K) is None
     for junk in (b"", b"\x00" * 16, b"\xff" * 64, "not bytes"):
-        assert decode_record(junk) is None  # type: ignore[arg-type]
+        assert decode_record(junk, K) is None  # type: ignore[arg-type]
+
+
+def test_record_is_bound_to_its_key(pixels: np.ndarray) -> None:
+    """A valid record returned under another key (another index, fingerprint or variant) is a miss."""
+    rec = encode_record(pixels[:8, :8], 2, key=K)
+    assert decode_record(rec, K) is not None
+    for other in (sample_key("0123456789abcdef", "s160m320bilinear-raw", 6),
+                  sample_key("fedcba9876543210", "s160m320bilinear-raw", 5),
+                  sample_key("0123456789abcdef", "s128m256bilinear-raw", 5), b""):
+        assert decode_record(rec, other) is None, other
+    jpg = encode_record(pixels[:16, :16], 2, Variant(encoding="jpeg"), key=K)
+    assert decode_record(jpg, K) is not None and decode_record(jpg, K + b"0") is None
+
+
+def test_format_1_records_are_misses(pixels: np.ndarray) -> None:
+    """A record written by format 1 (checksum without the key) is a miss, not an error."""
+    import xxhash
+
+    px = np.ascontiguousarray(pixels[:8, :8])
+    payload = px.tobytes()
+    x = xxhash.xxh3_64()
+    x.update(f"1:8:8:3:uint8:2:raw:{len(payload)}:".encode())
+    x.update(payload)
+    hdr = msgpack.packb({"v": 1, "h": 8, "w": 8, "c": 3, "dtype": "uint8", "label": 2, "enc": "raw",
+                         "n": len(payload), "xxh3": x.intdigest()}, use_bin_type=True)
+    old = len(hdr).to_bytes(4, "little") + hdr + payload
+    assert FORMAT_VERSION == 2 and decode_record(old, K) is None

@@ -15,11 +15,19 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from datacache import slowfs
-from datacache.source import Source, SourceError, is_transient
+from datacache.manifest import Manifest
+from datacache.source import SizeMismatchError, Source, SourceError, is_transient
 
 
 def slow_url(root: str) -> str:
     return f"slowfile://{root}?latency_ms=1&mbps=0"
+
+
+def idents(root: str, rels: list[str]) -> dict:
+    """What CachedImageNet passes for these files: the manifest's sizes and identities."""
+    m = Manifest.build(root)
+    pos = {p: k for k, p in enumerate(m.paths)}
+    return {"sizes": [int(m.sizes[pos[r]]) for r in rels], "identities": [m.identity(pos[r]) for r in rels]}
 
 
 def raw(root: str, rel: str) -> bytes:
@@ -34,8 +42,9 @@ def test_local_source_skips_t1(small_imagefolder: str, tmp_path) -> None:
     assert s.read("c000/00000.JPEG") == raw(small_imagefolder, "c000/00000.JPEG")
     assert not os.path.exists(t1) and s.stats()["t1_hits"] == s.stats()["t1_misses"] == 0
     forced = Source(small_imagefolder, t1_dir=t1, force_t1=True)
-    forced.read("c000/00000.JPEG")
-    forced.read("c000/00000.JPEG")
+    ident = idents(small_imagefolder, ["c000/00000.JPEG"])["identities"][0]
+    forced.read("c000/00000.JPEG", identity=ident)
+    forced.read("c000/00000.JPEG", identity=ident)
     assert forced.stats()["t1_misses"] == 1 and forced.stats()["t1_hits"] == 1
     assert Source("slowfile:///x", t1_dir=None).use_t1 is False
 
@@ -43,24 +52,23 @@ def test_local_source_skips_t1(small_imagefolder: str, tmp_path) -> None:
 def test_t1_hits_avoid_the_slow_source(small_imagefolder: str, tmp_path) -> None:
     t1 = str(tmp_path / "t1")
     rels = [f"c00{c}/0000{i}.JPEG" for c in range(3) for i in range(4)]
+    kw = idents(small_imagefolder, rels)
     slowfs.reset_counters()
     first = Source(slow_url(small_imagefolder), t1_dir=t1)
     assert first.use_t1
-    got = first.read_many(rels)
+    got = first.read_many(rels, **kw)
     assert got == [raw(small_imagefolder, r) for r in rels]
     assert slowfs.COUNTERS["opens"] == len(rels) and first.stats()["t1_misses"] == len(rels)
     assert first.stats()["bytes_read"] == sum(len(g) for g in got)
     # a later job (fresh Source, same T1 dir) never touches the slow filesystem
     slowfs.reset_counters()
     second = Source(slow_url(small_imagefolder), t1_dir=t1)
-    assert second.read_many(rels) == got and second.read(rels[0]) == got[0]
+    assert second.read_many(rels, **kw) == got
+    assert second.read(rels[0], identity=kw["identities"][0]) == got[0]
     assert slowfs.COUNTERS["requests"] == 0 and second.stats()["t1_hits"] == len(rels) + 1
     assert second.stats()["bytes_read"] == 0
-    # the layout is fsspec's own simplecache: a plain chained URL hits the same entries
-    with fsspec.open("simplecache::" + slow_url(small_imagefolder + "/c000/00000.JPEG"),
-                     simplecache={"cache_storage": t1}) as f:
-        assert f.read() == got[0]
-    assert slowfs.COUNTERS["requests"] == 0
+    # without the manifest's identity T1 cannot be trusted: the read goes to the source
+    assert second.read(rels[0]) == got[0] and slowfs.COUNTERS["opens"] == 1
 
 
 def test_plain_simplecache_chain_over_slowfile(small_imagefolder: str, tmp_path) -> None:
@@ -146,31 +154,51 @@ def test_t1_trim_is_lru_by_atime(small_imagefolder: str, tmp_path) -> None:
     t1 = str(tmp_path / "t1")
     rels = [f"c00{c}/0000{i}.JPEG" for c in range(3) for i in range(8)]
     size = max(os.path.getsize(os.path.join(small_imagefolder, r)) for r in rels)
+    ident = dict(zip(rels, idents(small_imagefolder, rels)["identities"]))
     s = Source(slow_url(small_imagefolder), t1_dir=t1, t1_max_bytes=6 * size)
-    s.read(rels[0])
+    s.read(rels[0], identity=ident[rels[0]])
     for r in rels[1:]:
-        s.read(r)
-        s.read(rels[0])  # keeps rels[0] the most recently used
+        s.read(r, identity=ident[r])
+        s.read(rels[0], identity=ident[rels[0]])  # keeps rels[0] the most recently used
     total = sum(os.path.getsize(os.path.join(t1, f)) for f in os.listdir(t1))
     assert total <= 6 * size and s.stats()["t1_evicted_bytes"] > 0
     slowfs.reset_counters()
-    s.read(rels[0])
-    s.read(rels[-1])
+    s.read(rels[0], identity=ident[rels[0]])
+    s.read(rels[-1], identity=ident[rels[-1]])
     assert slowfs.COUNTERS["opens"] == 0  # the hot entry and the newest entry survived
-    s.read(rels[1])
+    s.read(rels[1], identity=ident[rels[1]])
     assert slowfs.COUNTERS["opens"] == 1  # an old one was evicted
 
 
-def test_expect_size_drops_stale_t1_entry(tmp_path) -> None:
+def test_t1_is_keyed_by_the_files_identity(tmp_path) -> None:
+    """A file replaced by another of the same size (rsync's write-then-rename) is never served from
+    its old T1 copy; a read whose length differs from the listing is a transient failure."""
     root = tmp_path / "src"
     (root / "a").mkdir(parents=True)
-    (root / "a" / "x.jpg").write_bytes(b"old")
-    s = Source(slow_url(str(root)), t1_dir=str(tmp_path / "t1"))
-    assert s.read("a/x.jpg") == b"old"
-    (root / "a" / "x.jpg").write_bytes(b"newer")
-    assert s.read("a/x.jpg") == b"old"  # documented: T1 alone does not see the change ...
-    assert s.read("a/x.jpg", expect_size=5) == b"newer"  # ... the manifest's size does
-    assert s.read_many(["a/x.jpg"], expect_sizes=[5]) == [b"newer"] and s.stats()["t1_hits"] >= 2
+    f = root / "a" / "x.jpg"
+    f.write_bytes(b"old-bytes")
+    os.utime(f, (1_000_000, 1_000_000))
+    url = slow_url(str(root))
+    s = Source(url, t1_dir=str(tmp_path / "t1"), backoff=0.001)
+    assert s.read_many(["a/x.jpg"], **idents(str(root), ["a/x.jpg"])) == [b"old-bytes"]
+    tmp = root / "a" / ".x.jpg.tmp"
+    tmp.write_bytes(b"new-bytes")  # same size, new content, new mtime, renamed over the old file
+    os.replace(tmp, f)
+    kw = idents(str(root), ["a/x.jpg"])
+    assert s.read_many(["a/x.jpg"], **kw) == [b"new-bytes"]
+    assert s.read("a/x.jpg", **{"size": kw["sizes"][0], "identity": kw["identities"][0]}) == b"new-bytes"
+    assert s.stats()["t1_hits"] == 1  # the refilled entry, not the old one
+    # the file changes length after listing: a read from the source is retried, then a SourceError
+    # for this run, and nothing is written to T1
+    f.write_bytes(b"longer new bytes")
+    fresh_t1 = tmp_path / "t1b"
+    s2 = Source(url, t1_dir=str(fresh_t1), backoff=0.001, retries=2)
+    out = s2.read_many(["a/x.jpg"], **kw)
+    assert isinstance(out[0], SourceError) and isinstance(out[0].cause, SizeMismatchError)
+    assert "changed since the dataset was listed" in str(out[0]) and s2.stats()["retries"] == 2
+    assert not fresh_t1.exists() or not os.listdir(fresh_t1)
+    with pytest.raises(SourceError, match="read 16 bytes but the listing says 9"):
+        Source(url, t1_dir=None, backoff=0.001).read("a/x.jpg", size=kw["sizes"][0])
 
 
 def _child_read(src: Source, rel: str, q: mp.Queue) -> None:
@@ -210,11 +238,12 @@ def test_async_protocol_reads_concurrently_through_t1(http_root: str, small_imag
     t1 = str(tmp_path / "t1")
     s = Source(http_root, t1_dir=t1, backoff=0.001)
     rels = ["c000/00000.JPEG", "c001/00001.JPEG", "c002/00002.JPEG", "c000/missing.JPEG"]
-    out = s.read_many(rels)
+    kw = idents(small_imagefolder, rels[:3])
+    out = s.read_many(rels, sizes=[*kw["sizes"], -1], identities=[*kw["identities"], "0:0.0:0"])
     assert out[:3] == [raw(small_imagefolder, r) for r in rels[:3]]
     assert isinstance(out[3], SourceError) and "missing.JPEG" in out[3].path
     assert isinstance(out[3].cause, FileNotFoundError) and "does not exist" in str(out[3])
     assert s.stats()["t1_misses"] == 4 and s.stats()["errors"] == 1 and len(os.listdir(t1)) == 3
-    again = Source(http_root, t1_dir=t1).read_many(rels[:3])
+    again = Source(http_root, t1_dir=t1).read_many(rels[:3])  # no identity: T1 is not trusted
     assert again == out[:3]
     shutil.rmtree(t1)

@@ -1,75 +1,64 @@
-"""Sample stores behind one small protocol (:class:`~datacache.stores.base.Store`).
+"""Sample stores behind one contract (:class:`~datacache.stores.base.BaseStore`).
 
-``open_store(url, **opts)`` picks the implementation from the URL scheme:
+``open_store(url)`` parses the URL with :func:`datacache.cacheurl.parse_cache_url` (the one
+parser) and opens the store of its scheme:
 
-* ``memory://`` - a process-local dict (tests, demos);
-* ``lmdb:///abs/path`` or ``lmdb://rel/path`` - the embedded on-disk default; options
-  (``map_size``, ``max_map_size``, ``max_readers``, ``subdir``, ``readonly``, ``sync``) come from
-  ``opts`` or the URL query string (``lmdb:///c?map_size=4294967296``).
+* ``memory://[name]`` - a process-local dict (tests, demos); option ``fetch_bytes``;
+* ``lmdb:///abs/path``, ``lmdb://~/dir`` or ``lmdb://rel/dir`` - the embedded on-disk default;
+  options ``map_size``, ``max_map_size`` (byte sizes: ``4GiB``), ``max_readers``, ``readonly``,
+  ``sync``, ``readahead``. Parsing with ``check=True`` refuses a directory on a network
+  filesystem (:func:`datacache.fscheck.require_local_disk`).
 
-``redis://`` and ``redis-cluster://`` come with the Redis tier (a later issue) and register
-themselves through :func:`register_scheme`.
+Redis schemes (a later issue) register themselves with :func:`datacache.cacheurl.register_scheme`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl
 
-from datacache.config import ConfigError
-from datacache.stores.base import Store
+from datacache.cacheurl import (
+    CacheSpec,
+    OptionSpec,
+    SchemeSpec,
+    StoreSpec,
+    local_path_location,
+    parse_cache_url,
+    register_scheme,
+)
+from datacache.fscheck import require_local_disk
+from datacache.stores.base import BaseStore, Store
 from datacache.stores.lmdb_store import LMDBStore
 from datacache.stores.memory import MemoryStore
 
-__all__ = ["LMDBStore", "MemoryStore", "Store", "open_store", "register_scheme"]
-
-_INT_OPTS = ("map_size", "max_map_size", "max_readers")
-_BOOL_OPTS = ("subdir", "readonly", "sync", "readahead")
+__all__ = ["BaseStore", "LMDBStore", "MemoryStore", "Store", "open_store"]
 
 
-def _coerce(opts: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in opts.items():
-        if k in _INT_OPTS:
-            out[k] = int(v)
-        elif k in _BOOL_OPTS:
-            out[k] = v.lower() in ("1", "true", "yes", "on")
-        else:
-            raise ConfigError(f"unknown store option {k!r}; valid: {', '.join(_INT_OPTS + _BOOL_OPTS)}")
-    return out
+def _open_memory(spec: StoreSpec) -> MemoryStore:
+    return MemoryStore(spec.url, fetch_bytes=spec.option("fetch_bytes"),
+                       readonly=spec.option("readonly", False))
 
 
-def _open_memory(rest: str, url: str, opts: dict[str, Any]) -> Store:
-    if opts:
-        raise ConfigError(f"memory:// takes no options, got {sorted(opts)}")
-    return MemoryStore(url)
+def _open_lmdb(spec: StoreSpec) -> LMDBStore:
+    return LMDBStore(spec.location, **spec.opts)
 
 
-def _open_lmdb(rest: str, url: str, opts: dict[str, Any]) -> Store:
-    path, _, query = rest.partition("?")
-    if not path:
-        raise ConfigError(f"{url}: lmdb URL needs a path, e.g. lmdb:///var/cache/datacache/lmdb")
-    return LMDBStore(path, **{**_coerce(dict(parse_qsl(query))), **opts})
+register_scheme(SchemeSpec(
+    "memory", _open_memory, example="memory://",
+    options={"fetch_bytes": OptionSpec("bytes", "cap of one read round trip (tests)", minimum=1),
+             "readonly": OptionSpec("bool", "refuse writes")}))
+register_scheme(SchemeSpec(
+    "lmdb", _open_lmdb, location=local_path_location, example="lmdb:///var/cache/datacache",
+    check=lambda spec: require_local_disk(spec.location, "lmdb"),
+    options={"map_size": OptionSpec("bytes", "initial map reservation (grows)", minimum=1 << 12),
+             "max_map_size": OptionSpec("bytes", "cap on map growth (default: free disk)", minimum=1 << 12),
+             "max_readers": OptionSpec("int", "reader slots (processes x threads)", minimum=1),
+             "readonly": OptionSpec("bool", "open read-only: serve hits, never write"),
+             "sync": OptionSpec("bool", "fsync data on commit"),
+             "readahead": OptionSpec("bool", "OS readahead on the map")}))
 
 
-_SCHEMES: dict[str, Callable[[str, str, dict[str, Any]], Store]] = {
-    "memory": _open_memory,
-    "lmdb": _open_lmdb,
-}
-
-
-def register_scheme(scheme: str, factory: Callable[[str, str, dict[str, Any]], Store]) -> None:
-    """Add a store scheme: ``factory(rest_of_url, url, opts) -> Store``."""
-    _SCHEMES[scheme] = factory
-
-
-def open_store(url: str, **opts: Any) -> Store:
-    """Open the store named by ``url`` (see the module docstring)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in _SCHEMES:
-        raise ConfigError(
-            f"unknown cache store URL {url!r}; valid schemes: {', '.join(s + '://' for s in _SCHEMES)} "
-            "(redis:// and redis-cluster:// arrive with the Redis tier in a later issue)"
-        )
-    return _SCHEMES[scheme](rest, url, opts)
+def open_store(url: str | CacheSpec | StoreSpec) -> Any:
+    """Open the (single-tier) store named by ``url``; a bad URL raises ConfigError naming the part."""
+    if isinstance(url, StoreSpec):
+        return url.open()
+    return parse_cache_url(url).store.open()

@@ -2,6 +2,7 @@
 
 Each process has its own contents: pickling a MemoryStore (spawn, DataLoader workers)
 gives the child an *empty* store with the same URL. Values are copied to ``bytes`` on put.
+``memory://name?fetch_bytes=N`` makes it chunk reads like a network store (for tests).
 """
 
 from __future__ import annotations
@@ -10,32 +11,31 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from datacache.stores.base import BaseStore, Value
 
-class MemoryStore:
-    """Dict-backed :class:`~datacache.stores.base.Store`."""
 
-    def __init__(self, url: str = "memory://") -> None:
-        self.url = url
+class MemoryStore(BaseStore):
+    """Dict-backed store (see the module docstring)."""
+
+    backend = "memory"
+
+    def __init__(self, url: str = "memory://", *, readonly: bool = False,
+                 fetch_bytes: int | None = None) -> None:
+        super().__init__(url, readonly=readonly, fetch_bytes=fetch_bytes)
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
         self._data: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
-        self._hits = 0
-        self._misses = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url}
+    def _process_attrs(self) -> tuple[str, ...]:
+        return (*super()._process_attrs(), "_data", "_lock")
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"])  # type: ignore[misc]
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def _get_many(self, keys: list[bytes]) -> list[Value | None]:
         with self._lock:
-            out = [self._data.get(bytes(k)) for k in keys]
-        hits = sum(v is not None for v in out)
-        self._hits += hits
-        self._misses += len(out) - hits
-        return out
+            return [self._data.get(bytes(k)) for k in keys]
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool = False) -> int:
+    def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
         n = 0
         with self._lock:
             for k, v in items:
@@ -45,16 +45,17 @@ class MemoryStore:
                     n += 1
         return n
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    def _contains(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
             return [bytes(k) in self._data for k in keys]
 
-    def stats(self) -> dict[str, int | float | str]:
+    def _stats(self) -> dict[str, Any]:
         with self._lock:
-            nbytes = sum(len(v) for v in self._data.values())
-            return {"url": self.url, "backend": "memory", "entries": len(self._data), "bytes": nbytes,
-                    "hits": self._hits, "misses": self._misses}
+            return {"entries": len(self._data), "bytes": sum(len(v) for v in self._data.values())}
 
-    def close(self) -> None:
+    def _health(self) -> str:
+        return "in-process dict"
+
+    def _close(self) -> None:
         with self._lock:
             self._data.clear()

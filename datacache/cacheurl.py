@@ -1,0 +1,236 @@
+"""Cache URLs: the one parser for every place that names a cache.
+
+``CachedImageNet(cache=...)``, ``datacache warm/demo/stats --cache`` and :func:`datacache.stores.open_store`
+all go through :func:`parse_cache_url`, which runs where the URL is given (the parent process,
+at construction), so a bad URL is reported there and never inside a DataLoader worker.
+
+Grammar::
+
+    cache  = tier ["::" tier ...]                      (fsspec-style chaining of tiers)
+    tier   = scheme "://" location ["?" option "=" value ("&" option "=" value)*]
+
+* ``scheme`` must be registered (:func:`register_scheme`); built in: ``lmdb`` and ``memory``
+  (registered by :mod:`datacache.stores`). Redis schemes register themselves the same way.
+* ``location`` is normalised by the scheme: for ``lmdb`` a directory, ``~`` expanded and made
+  absolute (relative to the parent's working directory, so workers with another cwd agree).
+* options are typed (:class:`OptionSpec`): ``int``, ``bytes`` (an int or ``512MiB``, ``4GiB``,
+  ``2G`` ...), ``bool`` (``1/0/true/false/yes/no/on/off``) or ``str``. An unknown, repeated or
+  malformed option is a :class:`~datacache.config.ConfigError` naming it and listing the valid ones.
+* several tiers (``lmdb:///local::redis+cluster://h:7000``) are parsed tier by tier; a chain of
+  more than one tier is refused for now with a clear message (the tiered read path arrives with
+  the distributed tier).
+
+The result is a small frozen, picklable :class:`CacheSpec` (a tuple of :class:`StoreSpec`), which
+travels to workers instead of the string: they never re-parse.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+from datacache.config import ConfigError
+
+OPTION_KINDS = ("int", "bytes", "bool", "str")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One ``?name=value`` option of a scheme: its kind, an optional minimum and a help text."""
+
+    kind: str
+    doc: str = ""
+    minimum: int | None = None
+
+    def coerce(self, name: str, text: str, url: str) -> Any:
+        """``text`` as this option's type; ConfigError naming the option and the accepted forms."""
+        if self.kind == "bool":
+            low = text.strip().lower()
+            if low in _TRUE or low in _FALSE:
+                return low in _TRUE
+            raise ConfigError(f"{url}: option {name}={text!r} is not a boolean; use one of "
+                              f"{', '.join(_TRUE + _FALSE)}")
+        if self.kind == "str":
+            return text
+        value = parse_bytes(text) if self.kind == "bytes" else _parse_int(text)
+        if value is None:
+            what = "a byte size such as 4294967296, 512MiB or 4GiB" if self.kind == "bytes" else "an integer"
+            raise ConfigError(f"{url}: option {name}={text!r} is not {what}")
+        if self.minimum is not None and value < self.minimum:
+            raise ConfigError(f"{url}: option {name}={value} must be >= {self.minimum}")
+        return value
+
+
+def _parse_int(text: str) -> int | None:
+    t = text.strip()
+    return int(t) if re.fullmatch(r"[+-]?\d+", t) else None
+
+
+def parse_bytes(text: str) -> int | None:
+    """``"4GiB"`` -> 4294967296, ``"512M"`` -> 512000000, ``"123"`` -> 123; None if not a size."""
+    m = _BYTES_RE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """A registered cache scheme: its options, how to normalise a location, how to check and open it.
+
+    ``location(raw, url) -> str`` normalises (and validates) the part between ``://`` and ``?``;
+    ``check(spec)`` verifies the environment (e.g. that an LMDB directory is on a local disk) and
+    runs where the URL is parsed with ``check=True``; ``factory(spec) -> Store`` opens the store.
+    """
+
+    name: str
+    factory: Callable[[StoreSpec], Any]
+    options: Mapping[str, OptionSpec] = field(default_factory=dict)
+    location: Callable[[str, str], str] | None = None
+    check: Callable[[StoreSpec], None] | None = None
+    example: str = ""
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """One parsed tier: scheme, normalised location and typed options (sorted by name)."""
+
+    scheme: str
+    location: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def url(self) -> str:
+        """Canonical URL, e.g. ``lmdb:///abs/dir?readonly=1`` (what logs and ``stats()`` show)."""
+        query = urlencode([(k, int(v) if isinstance(v, bool) else v) for k, v in self.options])
+        return f"{self.scheme}://{self.location}" + (f"?{query}" if query else "")
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return self.opts.get(name, default)
+
+    def open(self) -> Any:
+        """Open the store this spec names (in the process that will use it)."""
+        return _scheme(self.scheme, self.url).factory(self)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A parsed cache URL: the URL as given and its tiers (one, for now)."""
+
+    given: str
+    tiers: tuple[StoreSpec, ...]
+
+    @property
+    def store(self) -> StoreSpec:
+        """The single tier (multi-tier URLs are refused by :func:`parse_cache_url` for now)."""
+        return self.tiers[0]
+
+    @property
+    def url(self) -> str:
+        return "::".join(t.url for t in self.tiers)
+
+
+_SCHEMES: dict[str, SchemeSpec] = {}
+
+
+def register_scheme(spec: SchemeSpec) -> None:
+    """Add (or replace) a cache scheme; later issues register ``redis``, ``rediss``, ``redis+cluster``."""
+    _SCHEMES[spec.name] = spec
+
+
+def schemes() -> list[str]:
+    """Registered scheme names (built-ins included)."""
+    _ensure_builtin()
+    return sorted(_SCHEMES)
+
+
+def _ensure_builtin() -> None:
+    import datacache.stores  # noqa: F401  (registers lmdb:// and memory://)
+
+
+def _valid_schemes() -> str:
+    return ", ".join(f"{s}://" for s in sorted(_SCHEMES))
+
+
+def _scheme(name: str, url: str) -> SchemeSpec:
+    _ensure_builtin()
+    spec = _SCHEMES.get(name)
+    if spec is None:
+        raise ConfigError(f"cache URL {url!r}: unknown scheme {name!r}; valid schemes: {_valid_schemes()}"
+                          " (e.g. lmdb:///var/cache/datacache)")
+    return spec
+
+
+def parse_tier(text: str, *, url: str | None = None) -> StoreSpec:
+    """Parse one tier ``scheme://location?opts`` (see the module docstring)."""
+    url = url or text
+    _ensure_builtin()
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        hint = f"; did you mean lmdb://{text}?" if text.startswith(("/", "~", ".")) else ""
+        raise ConfigError(f"cache URL {url!r} has no scheme (scheme://location); valid schemes: "
+                          f"{_valid_schemes()}{hint}")
+    sch = _scheme(scheme, url)
+    location, _, query = rest.partition("?")
+    if sch.location is not None:
+        location = sch.location(location, url)
+    seen: dict[str, Any] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        opt = sch.options.get(name)
+        if opt is None:
+            valid = ", ".join(sorted(sch.options)) or "none"
+            raise ConfigError(f"cache URL {url!r}: unknown option {name!r} for {scheme}://; valid options: "
+                              f"{valid}")
+        if name in seen:
+            raise ConfigError(f"cache URL {url!r}: option {name!r} is given twice")
+        seen[name] = opt.coerce(name, value, url)
+    if query and not seen:
+        raise ConfigError(f"cache URL {url!r}: cannot parse the query string {query!r} (use ?name=value&...)")
+    return StoreSpec(scheme, location, tuple(sorted(seen.items())))
+
+
+def parse_cache_url(url: str | CacheSpec, *, check: bool = False, max_tiers: int = 1) -> CacheSpec:
+    """Parse and validate a cache URL; ``check=True`` also runs each scheme's environment check.
+
+    Raises :class:`~datacache.config.ConfigError` naming the bad part and the valid schemes/options.
+    """
+    if isinstance(url, CacheSpec):
+        spec = url
+    else:
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigError(f"cache URL must be a non-empty string such as lmdb:///var/cache/datacache, "
+                              f"got {url!r}")
+        text = url.strip()
+        spec = CacheSpec(text, tuple(parse_tier(t, url=text) for t in text.split("::")))
+    if len(spec.tiers) > max_tiers:
+        raise ConfigError(f"cache URL {spec.given!r} chains {len(spec.tiers)} tiers; a tiered cache "
+                          "(lmdb:///local::redis+cluster://...) arrives with the distributed tier — "
+                          "use one store for now")
+    if check:
+        for t in spec.tiers:
+            sch = _scheme(t.scheme, spec.given)
+            if sch.check is not None:
+                sch.check(t)
+    return spec
+
+
+def local_path_location(raw: str, url: str) -> str:
+    """Location normaliser for directory-backed schemes: required, ``~`` expanded, absolute."""
+    if not raw:
+        raise ConfigError(f"cache URL {url!r} needs a directory, e.g. lmdb:///var/cache/datacache "
+                          "or lmdb://~/.cache/datacache/lmdb")
+    return os.path.abspath(os.path.expanduser(raw))
