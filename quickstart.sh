@@ -2,35 +2,77 @@
 # Quick start for a fresh machine. Two commands:
 #   ./quickstart.sh demo [ARGS...]   install, then run the main job (`datacache demo`) on the embedded LMDB cache
 #   ./quickstart.sh test [ARGS...]   install (with test extras and redis-server), then run ruff + the test suite
-# Installs into the current Python environment. It never lets pip pull a CUDA torch:
-# when no torch is importable it installs the pinned CPU wheel `torch==2.13.0` first.
+#   ./quickstart.sh python           print the interpreter the two commands use (creates .venv if needed)
+#
+# Where it installs: into the active virtual environment when there is one (VIRTUAL_ENV is set,
+# or `python3` itself runs inside a venv: sys.prefix != sys.base_prefix); otherwise into a
+# project-local .venv, created on first use and reused afterwards. So it works on Debian 12 /
+# Ubuntu 24.04 system Python (PEP 668 "externally managed"), where pip refuses to install into
+# the system interpreter. PYTHON=/path/to/python3 picks the interpreter that creates the venv.
+# It never lets pip pull a CUDA torch: the pinned CPU wheel `torch==2.13.0` is installed first.
 set -euo pipefail
 cd "$(dirname "$0")"
-PY="${PYTHON:-python3}"
+BASE_PY="${PYTHON:-python3}"
 cmd="${1:-demo}"; shift || true
+
+in_venv() {
+  [ -n "${VIRTUAL_ENV:-}" ] || "$BASE_PY" -c 'import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)'
+}
+
+ensure_python() {
+  if in_venv; then
+    PY="$(command -v "$BASE_PY")"
+    [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ] && PY="$VIRTUAL_ENV/bin/python"
+    echo "[quickstart] using the active virtual environment: $PY" >&2
+    return
+  fi
+  if [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    echo "[quickstart] reusing .venv" >&2
+  else
+    echo "[quickstart] creating .venv with $BASE_PY" >&2
+    rm -rf .venv
+    if ! "$BASE_PY" -m venv .venv >/dev/null 2>&1; then
+      # Debian/Ubuntu ship venv's ensurepip separately (python3-venv / python3.X-venv)
+      ver="$("$BASE_PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+      echo "[quickstart] '$BASE_PY -m venv' failed; installing python3-venv (apt)" >&2
+      if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+      rm -rf .venv
+      $SUDO apt-get update -qq && { $SUDO apt-get install -y -qq "python${ver}-venv" >/dev/null 2>&1 ||
+                                    $SUDO apt-get install -y -qq python3-venv >/dev/null; }
+      "$BASE_PY" -m venv .venv
+    fi
+  fi
+  PY="$PWD/.venv/bin/python"
+}
 
 ensure_torch() {
   if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-    echo "[quickstart] installing torch==2.13.0 (CPU wheel)"
+    echo "[quickstart] installing torch==2.13.0 (CPU wheel)" >&2
     "$PY" -m pip install -q torch==2.13.0
   fi
 }
 
 ensure_redis() {
   if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-    echo "[quickstart] installing redis-server (apt)"
+    echo "[quickstart] installing redis-server (apt)" >&2
     if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
   fi
 }
 
 case "$cmd" in
+  python)
+    ensure_python
+    echo "$PY"
+    ;;
   demo)
+    ensure_python
     ensure_torch
     "$PY" -m pip install -q -e .
     exec "$PY" -m datacache.cli demo "$@"
     ;;
   test)
+    ensure_python
     ensure_torch
     ensure_redis
     "$PY" -m pip install -q -e '.[test]'
@@ -38,5 +80,5 @@ case "$cmd" in
     exec "$PY" -m pytest -q "$@"
     ;;
   *)
-    echo "usage: ./quickstart.sh demo|test [ARGS...]" >&2; exit 2;;
+    echo "usage: ./quickstart.sh demo|test|python [ARGS...]" >&2; exit 2;;
 esac

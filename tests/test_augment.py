@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import random
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from client.augment import AugmentCollate, random_resized_crop_flip, rrc_params, rrc_params_batch
 from datacache.config import ConfigError
@@ -75,46 +80,79 @@ def test_collate_seeded_and_global_rng() -> None:
     assert not torch.equal(g1, x1)  # the seeded generator is independent of the global RNG
 
 
-def _reference_box(height: int, width: int, tries: list[list[float]], pos: list[float],
-                   scale: tuple[float, float], ratio: tuple[float, float]) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop.get_params written out per sample, fed with given uniforms."""
-    import math
-
-    area = height * width
-    for u_area, u_ratio in tries:
-        target = area * (scale[0] + (scale[1] - scale[0]) * u_area)
-        aspect = math.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u_ratio)
-        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+def _torchvision_spec_box(rng: random.Random, height: int, width: int) -> tuple[int, int]:
+    """torchvision's RandomResizedCrop.get_params as its documentation states it, with Python's own
+    RNG: area ~ U(0.08, 1) of the image, log aspect ratio ~ U(log 3/4, log 4/3), 10 attempts, then a
+    centre crop clamped to the ratio range. Returns (h, w)."""
+    for _ in range(10):
+        area = height * width * rng.uniform(0.08, 1.0)
+        ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w, h = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
         if 0 < w <= width and 0 < h <= height:
-            return (min(int(pos[0] * (height - h + 1)), height - h),
-                    min(int(pos[1] * (width - w + 1)), width - w), h, w)
-    if width / height < ratio[0]:
-        w, h = width, round(width / ratio[0])
-    elif width / height > ratio[1]:
-        h, w = height, round(height * ratio[1])
-    else:
-        h, w = height, width
-    return (height - h) // 2, (width - w) // 2, h, w
+            return h, w
+    if width / height < 3 / 4:
+        return round(width / (3 / 4)), width
+    if width / height > 4 / 3:
+        return height, round(height * 4 / 3)
+    return height, width
 
 
-@pytest.mark.parametrize("scale", [(0.08, 1.0), (0.5, 0.6), (2.0, 3.0)])
-def test_vectorised_rrc_params_match_per_sample_reference(scale: tuple[float, float]) -> None:
-    g = torch.Generator().manual_seed(4)
-    sizes = [(160, w) for w in torch.randint(1, 330, (400,), generator=g).tolist()]
-    sizes += [(h, 160) for h in range(1, 330, 7)] + [(1, 100), (100, 10), (50, 60), (1, 1)]
-    ratio = (3 / 4, 4 / 3)
-    boxes = rrc_params_batch(sizes, torch.Generator().manual_seed(9), scale, ratio)
-    # the same uniforms, in the same order: [n, 10, 2] tries, then [n, 2] positions
-    g = torch.Generator().manual_seed(9)
-    tries = torch.rand((len(sizes), 10, 2), generator=g).tolist()
-    pos = torch.rand((len(sizes), 2), generator=g).tolist()
-    expected = [_reference_box(h, w, tries[k], pos[k], scale, ratio) for k, (h, w) in enumerate(sizes)]
-    assert [tuple(b) for b in boxes] == expected
-    if scale == (2.0, 3.0):  # every try fails: all rows took the centre-crop fallback
-        assert boxes[-4:] == [(0, 49, 1, 1), ((100 - 13) // 2, 0, 13, 10), (0, 0, 50, 60), (0, 0, 1, 1)]
-    # the one-sample function makes the same draws as one batch row
-    assert rrc_params(160, 213, torch.Generator().manual_seed(3), scale) == \
-        rrc_params_batch([(160, 213)], torch.Generator().manual_seed(3), scale)[0]
+def _ks(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic."""
+    grid = np.sort(np.concatenate([a, b]))
+    fa = np.searchsorted(np.sort(a), grid, side="right") / len(a)
+    fb = np.searchsorted(np.sort(b), grid, side="right") / len(b)
+    return float(np.abs(fa - fb).max())
+
+
+@pytest.mark.parametrize("hw", [(160, 213), (160, 320), (320, 160), (100, 400)])
+def test_box_distribution_matches_the_torchvision_spec(hw: tuple[int, int]) -> None:
+    """Area fraction, aspect ratio and fallback rate of the boxes against an independent sampler."""
+    height, width = hw
+    n = 20000
+    boxes = np.array(rrc_params_batch([hw] * n, torch.Generator().manual_seed(11)), dtype=np.int64)
+    rng = random.Random(3)
+    ref = np.array([_torchvision_spec_box(rng, height, width) for _ in range(n)], dtype=np.int64)
+    top, left, h, w = boxes.T
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= height).all() and (left + w <= width).all()
+    crit = 1.95 * math.sqrt(2 / n)  # KS critical value at alpha = 0.001
+    assert _ks(h * w / (height * width), ref[:, 0] * ref[:, 1] / (height * width)) < crit
+    assert _ks(np.log(w / h), np.log(ref[:, 1] / ref[:, 0])) < crit
+    # positions are uniform over the valid range
+    room = height - h
+    frac = top[room > 0] / room[room > 0]
+    assert abs(frac.mean() - 0.5) < 0.02 and frac.min() == 0 and frac.max() == 1
+
+
+def test_batch_pixels_equal_pil_crop_and_resize_of_the_same_boxes() -> None:
+    """The reference is PIL: crop the box, resize bilinearly (antialiased when shrinking), mirror."""
+    g = torch.Generator().manual_seed(2)
+    hwc = []
+    for h, w in [(160, 213), (160, 320), (90, 70), (60, 45), (200, 160), (48, 48)]:
+        small = torch.randint(0, 256, (h // 4, w // 4, 3), dtype=torch.uint8, generator=g).numpy()
+        hwc.append(np.asarray(Image.fromarray(small).resize((w, h), Image.Resampling.BICUBIC)).copy())
+    images = [torch.from_numpy(a).permute(2, 0, 1) for a in hwc]
+    for size in (64, 24):
+        out = random_resized_crop_flip(images, size, generator=torch.Generator().manual_seed(5))
+        g = torch.Generator().manual_seed(5)  # the same boxes and flips as the call above drew
+        boxes = rrc_params_batch([(int(i.shape[1]), int(i.shape[2])) for i in images], g)
+        flips = (torch.rand(len(images), generator=g) < 0.5).tolist()
+        assert 0 < sum(flips) < len(images)
+        for k, (a, (top, left, h, w)) in enumerate(zip(hwc, boxes)):
+            ref = Image.fromarray(a).crop((left, top, left + w, top + h)).resize((size, size),
+                                                                                 Image.Resampling.BILINEAR)
+            if flips[k]:
+                ref = ref.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            diff = np.abs(np.asarray(ref).astype(int) - out[k].permute(1, 2, 0).numpy().astype(int))
+            assert diff.max() <= 1 and diff.mean() < 0.5, (k, size, diff.max(), diff.mean())  # rounding only
+
+
+def test_vectorised_and_per_sample_params_agree() -> None:
+    """Consistency (not a reference): one row of the batch sampler equals the per-sample sampler."""
+    for hw in [(160, 213), (1, 100), (100, 10), (50, 60), (330, 160)]:
+        for seed in range(5):
+            assert rrc_params(*hw, torch.Generator().manual_seed(seed)) == \
+                rrc_params_batch([hw], torch.Generator().manual_seed(seed))[0]
 
 
 def test_batch_matches_per_crop_interpolate_for_any_layout() -> None:
