@@ -182,13 +182,15 @@ class Source:
         self._root = ""
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._trim_lock = threading.Lock()
         self._stats = {"t1_hits": 0, "t1_misses": 0, "bytes_read": 0, "retries": 0, "errors": 0,
                        "t1_evicted_bytes": 0}
         self._since_trim = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("_pid", "_fs", "_cfs", "_root", "_pool", "_lock", "_stats", "_since_trim")}
+                if k not in ("_pid", "_fs", "_cfs", "_root", "_pool", "_lock", "_trim_lock", "_stats",
+                             "_since_trim")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -299,9 +301,18 @@ class Source:
                 self.trim_t1()
 
     def trim_t1(self) -> int:
-        """Remove least-recently-used T1 entries until the directory is under 90 % of the cap."""
-        if not (self.use_t1 and self.t1_max_bytes):
+        """Remove least-recently-used T1 entries until the directory is under 90 % of the cap.
+        One trim at a time per process (concurrent trims of the reader threads would each remove
+        the same oldest entries' worth again and empty the cache)."""
+        if not (self.use_t1 and self.t1_max_bytes) or not self._trim_lock.acquire(blocking=False):
             return 0
+        try:
+            return self._trim()
+        finally:
+            self._trim_lock.release()
+
+    def _trim(self) -> int:
+        assert self.t1_max_bytes is not None
         entries = []
         with os.scandir(self.t1_dir) as it:
             for e in it:

@@ -88,3 +88,37 @@ def test_warm_then_stats(tmp_path, capsys: pytest.CaptureFixture) -> None:
     ds.__getitems__(list(range(len(ds))))
     st = ds.stats()
     assert st["decoded"] == 0 and st["bytes_read"] == 0 and st["t2"]["known_bad"] == 3
+
+
+def test_revalidate_and_t1_cap_are_reachable(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from client.dataset import CachedImageNet
+
+    src = str(tmp_path / "train")
+    synth.make_imagefolder(src, classes=2, per_class=6, size=(96, 72), seed=3)
+    with pytest.raises(SystemExit) as ei:
+        main(["warm", "--help"])
+    assert ei.value.code == 0
+    helptext = capsys.readouterr().out
+    assert "--revalidate" in helptext and "in place" in helptext and "--t1-max-bytes" in helptext
+    with pytest.raises(SystemExit) as ei:
+        main(["warm", src, "--revalidate", "sometimes"])
+    assert ei.value.code == 2
+    with pytest.raises(SystemExit) as ei:
+        main(["warm", src, "--t1-max-bytes", "lots"])
+    assert ei.value.code == 2
+    slow = f"slowfile://{src}?latency_ms=0&mbps=0"  # remote-like source: goes through T1
+    t1 = tmp_path / "t1"
+    cap = 3 * max(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(src) for f in files)
+    assert main(["warm", slow, "--cache", f"lmdb://{tmp_path}/c", "--workers", "1", "--short-side", "32",
+                 "--revalidate", "full", "--t1-dir", str(t1), "--t1-max-bytes", str(cap),
+                 "--no-progress"]) == 0
+    assert "decoded 12" in capsys.readouterr().out
+    assert 0 < sum(f.stat().st_size for f in t1.iterdir()) <= cap  # the cap held during the warm
+    t1b = tmp_path / "t1b"
+    ds = CachedImageNet(slow, "memory://", short_side=32, t1_dir=str(t1b), t1_max_bytes=cap,
+                        revalidate="full")
+    ds.__getitems__(list(range(len(ds))))
+    assert ds.revalidate == "full" and 0 < sum(f.stat().st_size for f in t1b.iterdir()) <= cap
+    assert main(["demo", "--source", src, "--cache", "memory://", "--epochs", "1", "--workers", "0",
+                 "--batch-size", "4", "--image-size", "16", "--short-side", "32", "--no-progress",
+                 "--revalidate", "none", "--t1-dir", "none"]) == 0
