@@ -52,7 +52,7 @@ def profile_stages(ds: CachedImageNet, batch: int, size: int,
         t = lap("keys", t)
         bufs = store.get_many(keys)
         t = lap("lmdb_get_many", t)
-        recs = [decode_record(buf) for buf in bufs]
+        recs = [decode_record(buf, key) for buf, key in zip(bufs, keys)]
         t = lap("decode_record_checksum", t)
         imgs = [to_chw_tensor(rec[0]) for rec in recs if rec is not None]
         t = lap("tensor_views", t)
