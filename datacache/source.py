@@ -302,14 +302,12 @@ class Source:
 
     def trim_t1(self) -> int:
         """Remove least-recently-used T1 entries until the directory is under 90 % of the cap.
-        One trim at a time per process (concurrent trims of the reader threads would each remove
-        the same oldest entries' worth again and empty the cache)."""
-        if not (self.use_t1 and self.t1_max_bytes) or not self._trim_lock.acquire(blocking=False):
+        Trims of the reader threads run one after another, each on a fresh scan (concurrent trims
+        would each remove the same oldest entries' worth again and empty the cache)."""
+        if not (self.use_t1 and self.t1_max_bytes):
             return 0
-        try:
+        with self._trim_lock:
             return self._trim()
-        finally:
-            self._trim_lock.release()
 
     def _trim(self) -> int:
         assert self.t1_max_bytes is not None
