@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, to_plain
-from trainer.comm.collectives import Workspace
 from trainer.comm.hitopk import choose_final_gather
 from trainer.comm.hooks import HookState
 from trainer.comm.sparse_common import flag_is_set, mask_values_, sanitize_, update_residual
+from trainer.comm.workspace import Workspace
 
 WORLD, LOCAL = 4, 2
 

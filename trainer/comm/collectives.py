@@ -40,15 +40,13 @@ uses its native collectives.
 A ``group`` of size 1 (or no torch.distributed at all) short-circuits: no communication.
 ``group=None`` means the default (world) group, as in torch.distributed.
 
-HAZARD (buffer reuse): :class:`Workspace` buffers are overwritten by the next call that asks
-for the same key on the same thread. Only scratch that never leaves a call lives there;
-results handed to callers are fresh tensors or caller-owned ``out`` buffers.
+HAZARD (buffer reuse): receive buffers come from ``trainer.comm.workspace.WORKSPACE`` and are
+overwritten by the next call that asks for the same key on the same thread; results handed to
+callers are fresh tensors or caller-owned ``out`` buffers.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,38 +54,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainer.comm.workspace import WORKSPACE
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 P2P_MAX_GROUP = 8  # gloo groups up to this size use the direct irecv-first exchange
 P2P_MIN_BYTES = 0  # measured: p2p wins at every size tried (10 MiB .. 100 MiB, 1 MiB inter)
-_MAX_WORKSPACE = 16  # cached buffers per thread
-
-
-class Workspace:
-    """Per-thread reusable scratch buffers keyed by ``(tag, numel, dtype, device)`` (LRU, bounded).
-
-    Thread-local because DDP may run hooks / future callbacks on more than one thread. See the
-    module's buffer-reuse HAZARD: never return a workspace buffer to a caller.
-    """
-
-    def __init__(self, max_entries: int = _MAX_WORKSPACE) -> None:
-        self._local = threading.local()
-        self.max_entries = max_entries
-
-    def get(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """An uninitialised buffer of ``numel`` elements (contents left from its previous use)."""
-        cache: OrderedDict[tuple, Tensor] = getattr(self._local, "cache", None) or OrderedDict()
-        self._local.cache = cache
-        key = (tag, numel, dtype, torch.device(device))
-        buf = cache.pop(key, None)
-        if buf is None:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-        cache[key] = buf
-        while len(cache) > self.max_entries:
-            cache.popitem(last=False)
-        return buf
-
-
-WORKSPACE = Workspace()
 
 
 def group_size(group: Any) -> int:

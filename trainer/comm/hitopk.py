@@ -45,7 +45,6 @@ import torch
 from torch import Tensor
 
 from trainer.comm.collectives import (
-    WORKSPACE,
     PendingGather,
     all_gather_flat,
     all_gather_packed,
@@ -65,6 +64,7 @@ from trainer.comm.sparse_common import (
 )
 from trainer.comm.timing import PhaseTimer, maybe_phase
 from trainer.comm.topology import Topology
+from trainer.comm.workspace import WORKSPACE
 
 FINAL_GATHER_CHOICES = ("auto", "dense", "sparse")
 

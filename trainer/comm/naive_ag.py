@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainer.comm.collectives import WORKSPACE, all_gather_packed
+from trainer.comm.collectives import all_gather_packed
 from trainer.comm.sparse_common import (
     choose_k,
     mask_values_,
@@ -32,6 +32,7 @@ from trainer.comm.sparse_common import (
 )
 from trainer.comm.timing import PhaseTimer, maybe_phase
 from trainer.comm.topology import Topology
+from trainer.comm.workspace import WORKSPACE
 
 
 def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
