@@ -34,9 +34,9 @@ from trainer.comm.collectives import backend_for
 
 log = logging.getLogger(__name__)
 
-# (world size, local size, host override) -> (the default group object it was built under,
-# topology). The group object is kept (not its id) so a re-initialised default group never matches.
-_CACHE: dict[tuple[int, int, str | None], tuple[object, Topology]] = {}
+# (world size, local size) -> (the default group object it was built under, topology). The group
+# object is kept (not its id) so a destroyed-and-reinitialised default group never matches.
+_CACHE: dict[tuple[int, int], tuple[object, Topology]] = {}
 
 
 _HOST_BYTES = 240  # host names are at most 253 bytes (DNS); longer ones are cut (compared cut)
@@ -144,7 +144,9 @@ class Topology:
         """Build (once) the intra- and inter-node groups. COLLECTIVE: call it on every rank.
 
         ``local_size`` defaults to ``LOCAL_WORLD_SIZE`` (set by torchrun), else to the world
-        size (one node). ``host`` replaces this machine's host name (tests). The layout is
+        size (one node). ``host`` replaces this machine's host name (tests; such a call is never
+        cached, because a cache hit must be the same on every rank or the gather below would
+        not be matched). The layout is
         checked against the host names first (:func:`check_layout`; ``ValueError`` on every
         rank if it does not fit). With an NCCL-only default group, call
         ``torch.cuda.set_device(local_rank)`` first (the gather uses the current device).
@@ -156,8 +158,8 @@ class Topology:
         if local_size is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             local_size = int(env) if env else world
-        key = (world, local_size, host)
-        cached = _CACHE.get(key)
+        key = (world, local_size)
+        cached = _CACHE.get(key) if host is None else None
         if cached is not None and cached[0] is dist.group.WORLD:
             return cached[1]
         local_rank_env = int(os.environ.get("LOCAL_RANK", -1))
@@ -184,5 +186,6 @@ class Topology:
                 inter = g
         topo = cls(rank=rank, world_size=world, local_rank=local_rank, local_size=local_size,
                    node=node, num_nodes=num_nodes, intra=intra, inter=inter)
-        _CACHE[key] = (dist.group.WORLD, topo)
+        if host is None:
+            _CACHE[key] = (dist.group.WORLD, topo)
         return topo
