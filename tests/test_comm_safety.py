@@ -280,14 +280,26 @@ def test_replicas_bit_identical_on_cuda() -> None:  # pragma: no cover - needs G
             assert (a == b).all()
 
 
-def _cuda_replicas(rank: int, world: int) -> list:  # pragma: no cover - needs GPUs
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_training_step_sync_free_on_one_gpu() -> None:  # pragma: no cover - needs a GPU
+    """One NCCL rank: every method/selector/fp16 combination runs backward (hooks included)
+    under ``set_sync_debug_mode("error")``; replicas are trivially equal, so only syncs are checked."""
+    for method in METHOD_CHOICES:
+        for selector in ("mstopk", "exact"):
+            for fp16 in (False, True):
+                run_distributed(_cuda_replicas, world_size=1, local_size=1, backend="nccl",
+                                args=(CommConfig(method=method, selector=selector, fp16=fp16, density=0.05,
+                                                 min_numel_for_sparse=0), 3))
+
+
+def _cuda_replicas(rank: int, world: int, config: CommConfig | None = None,
+                   steps: int = 20) -> list:  # pragma: no cover - needs GPUs
     from trainer.comm import maybe_step, register
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
     ddp = nn.parallel.DistributedDataParallel(_model().cuda(), bucket_cap_mb=CAP_MB)
-    state = register(ddp, CommConfig(method="hitopk", density=0.05, min_numel_for_sparse=0))
+    state = register(ddp, config or CommConfig(method="hitopk", density=0.05, min_numel_for_sparse=0))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for step in range(20):
+    for step in range(steps):
         ddp.zero_grad(set_to_none=True)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(16, 32, generator=g).cuda(), torch.randn(16, 8, generator=g).cuda()
