@@ -289,7 +289,7 @@ def test_training_step_sync_free_on_one_gpu() -> None:  # pragma: no cover - nee
             for fp16 in (False, True):
                 run_distributed(_cuda_replicas, world_size=1, local_size=1, backend="nccl",
                                 args=(CommConfig(method=method, selector=selector, fp16=fp16, density=0.05,
-                                                 min_numel_for_sparse=0), 3))
+                                                 min_numel_for_sparse=0), 4))
 
 
 def _cuda_replicas(rank: int, world: int, config: CommConfig | None = None,

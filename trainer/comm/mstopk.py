@@ -74,11 +74,13 @@ class MSTopKResult:
         return key_to_magnitude(self.threshold_key, self.values.dtype)
 
 
-def sample_rank(n: int, k: int, m: int) -> int:
-    """Rank (1-based, from the top) in a sample of ``m`` of ``n`` that lies below the k-th largest
-    with high probability: ``ceil(e + MARGIN_SIGMAS sqrt(e) + MARGIN_EXTRA)``, ``e = k m / n``."""
+def sample_ranks(n: int, k: int, m: int) -> tuple[int, int]:
+    """Ranks (1-based, from the top) in a sample of ``m`` of ``n`` that bracket the k-th largest
+    with high probability: ``e +/- (MARGIN_SIGMAS sqrt(e) + MARGIN_EXTRA)``, ``e = k m / n``.
+    The lower bracket (first) is at least 1; the upper one is 0 when there is none."""
     expected = k * m / n
-    return max(1, min(m, math.ceil(expected + MARGIN_SIGMAS * math.sqrt(expected) + MARGIN_EXTRA)))
+    margin = MARGIN_SIGMAS * math.sqrt(expected) + MARGIN_EXTRA
+    return max(1, min(m, math.ceil(expected + margin))), max(0, math.floor(expected - margin))
 
 
 def _device_path(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -90,18 +92,33 @@ def _device_path(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor, int] | None:
     """CPU: bracket, compact, search the candidates. None when the bracket left < k candidates."""
+    t_hi = None
     if t_lo is None:
         sample = strided_sample_keys(x, SAMPLE_SIZE)
-        rank = sample_rank(x.numel(), k, sample.numel())
-        t_lo = int(torch.topk(sample, rank, sorted=False).values.min())  # CPU: a free host read
+        lo_rank, hi_rank = sample_ranks(x.numel(), k, sample.numel())
+        top = torch.topk(sample, lo_rank).values  # descending; CPU: the host reads below are free
+        t_lo = int(top[lo_rank - 1])
+        t_hi = int(top[hi_rank - 1]) if hi_rank else None
     idx, keys = compact_at_least(x, t_lo)
     nc = idx.numel()
     if nc < k:
         return None
-    top = int(keys.max())
-    nbits = (t_lo ^ top).bit_length()  # bits above these are common to every candidate
-    thres = kth_largest_key(keys, k, nbits, start=(t_lo >> nbits) << nbits)
-    return take(idx, select_exactly_k(keys, thres, k)), thres, nc
+    band, kb, hi = keys, k, int(keys.max())
+    if t_hi is not None:
+        # Entries above t_hi are surely selected when fewer than k of them exist; the search
+        # then runs on the band [t_lo, t_hi] only (~5x fewer keys at 25M, k = 1 %).
+        above = keys > t_hi
+        n_sure = int(torch.count_nonzero(above))
+        if n_sure < k:
+            band, kb, hi = torch.masked_select(keys, ~above), k - n_sure, t_hi
+    nbits = (t_lo ^ hi).bit_length()  # bits above these are common to every key in the band
+    thres = kth_largest_key(band, kb, nbits, start=(t_lo >> nbits) << nbits)
+    at_least = keys >= thres
+    if int(torch.count_nonzero(at_least)) == k:  # no tie to break (the usual case): one compaction
+        pos = torch.nonzero(at_least).squeeze(1)
+    else:
+        pos = select_exactly_k(keys, thres, k)
+    return take(idx, pos), thres, nc
 
 
 def mstopk_with_info(x: Tensor, k: int, *, path: str = "auto",
