@@ -30,10 +30,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainer.comm.names import METHOD_CHOICES as METHODS
+from trainer.comm.names import PHASES
+
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("allreduce", "torus", "naive_ag", "hitopk")  # cost_model.METHOD_CHOICES names
 LABELS = {"allreduce": "dense ring", "torus": "2D-Torus", "naive_ag": "NaiveAG", "hitopk": "HiTopKComm"}
-PHASES = ("select", "communicate", "decompress")
 
 
 # =============================================================== worker (inside a namespace)
@@ -103,6 +104,7 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
     import torch
 
     from trainer.comm.selectors import get_selector
+    from trainer.comm.sparse_common import add_rows_, compensate, wire_and_flag
 
     sel = get_selector("mstopk")
     g = torch.Generator().manual_seed(1234)
@@ -115,10 +117,9 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
         out[kind]["counts"].append(count)
         out[kind]["times"].append(_timed(fn, reps))
 
-    def select(x: Any, r: Any, k: int) -> None:
-        y = torch.add(x, r, out=ybuf[:x.numel()])  # gradient + residual, reused buffer (as the methods)
-        torch.isfinite(y.sum())                     # the non-finite check
-        sel(y, k)
+    def select(x: Any, r: Any, k: int) -> None:  # as the methods: compensate, select, flag the sent values
+        y = compensate(x, r, world, out=ybuf[:x.numel()])
+        wire_and_flag(sel(y, k)[0], False, True)
 
     ybuf = torch.empty(d)
     for frac in (4, 2, 1):
@@ -128,22 +129,24 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
         # decompression's dense passes as in the methods: zero the reused output, write the residual back
         rbuf, obuf = torch.zeros(n), torch.zeros(n)
         add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x) if not bad else None))
-        kk = world * max(1, round(rho * d)) // frac
-        idx, vals = torch.randint(0, d, (kk,), generator=g, dtype=torch.int32), torch.randn(kk, generator=g)
-        dst = torch.zeros(d)
-        add("scatter", kk, lambda idx=idx, vals=vals, dst=dst: dst.index_add_(0, idx.long(), vals.float()))
+        kk = max(1, round(rho * d)) // frac  # per row; the methods add `world` rows, one at a time
+        idx = torch.stack([torch.randperm(d, generator=g)[:kk] for _ in range(world)]).to(torch.int32)
+        vals, dst = torch.randn(world, kk, generator=g), torch.zeros(d)
+        add("scatter", world * kk, lambda idx=idx, vals=vals, dst=dst: add_rows_(dst, idx, vals))
     return out
 
 
 def _run_method(name: str, flat: Any, topo: Any, rho: float, residual: Any, timer: Any) -> Any:
-    """One aggregation of ``flat``, in place as the DDP hooks run it (``flat`` is the scratch bucket)."""
+    """One aggregation of ``flat``, in place and averaged as the DDP hooks run it (``flat`` is the
+    scratch bucket)."""
     from trainer.comm import allreduce, hitopk, naive_ag, torus
 
+    kw = {"timer": timer, "inplace": True, "divide_by": topo.world_size}
     if name in ("allreduce", "torus"):
         fn = allreduce.allreduce_dense if name == "allreduce" else torus.torus_allreduce
-        return fn(flat, topo, timer=timer, inplace=True)
+        return fn(flat, topo, **kw)
     fn = naive_ag.naive_ag if name == "naive_ag" else hitopk.hitopk
-    return fn(flat, topo, density=rho, selector="mstopk", residual=residual, timer=timer, inplace=True)
+    return fn(flat, topo, density=rho, selector="mstopk", residual=residual, **kw)
 
 
 def worker(a: argparse.Namespace) -> None:

@@ -41,7 +41,8 @@ from torch import Tensor
 
 from trainer.comm.workspace import WORKSPACE
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 P2P_MAX_GROUP = 8  # gloo groups up to this size use the direct irecv-first exchange
 
 
@@ -198,7 +199,7 @@ def all_gather_flat(t: Tensor, group: Any, *, out: Tensor | None = None) -> Tens
     if path_for(group, t.device) == "p2p":
         _exchange([mine] * n, list(rows), group).wait()
     else:
-        _all_gather_single(out, t, group=group)
+        all_gather_single(out, t, group=group)
     return out
 
 
@@ -275,7 +276,7 @@ def all_gather_packed(values: Tensor, indices: Tensor, group: Any, *, extras: Te
         if not async_op:
             work.wait()
     else:
-        work = _all_gather_single(out, packet, group=group, async_op=async_op)
+        work = all_gather_single(out, packet, group=group, async_op=async_op)
     return PendingGather(work if async_op else None, out, n, values.numel(), values.dtype, n_extras)
 
 

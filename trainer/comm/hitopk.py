@@ -30,13 +30,13 @@ and its inter-node all-gather is launched with ``async_op=True`` right away, so 
 transfer overlaps the selection of piece p+1. All handles are waited before step 3's adds.
 Top-k per piece is not the same as top-k of the whole chunk (same total density).
 
-Verdict (skip the step): every inter packet carries one fp32 flag when anything is checked:
-NaN/inf in my node's chunk (``check_finite``, first piece) and, with ``fp16``, an overflow of
-that piece's cast values. The column verdicts ride in the sparse final packet, or (dense final
-gather) are summed over the node by a 1-element intra all-reduce right after the inter gather.
-The verdict zeroes the small gathered values before the adds, so a skipped step yields zeros
-everywhere without a dense masking pass. Any flag set: every rank returns zeros and keeps its
-residual.
+Verdict (skip the step): every inter packet carries one fp32 flag when anything is checked
+(``check_finite`` or ``fp16``), computed from that piece's sent values (``wire_and_flag``: a
+NaN/inf in the piece is always selected, an fp16 overflow shows up after the cast). The column
+verdicts ride in the sparse final packet, or (dense final gather) are summed over the node by a
+1-element intra all-reduce right after the inter gather. The verdict zeroes the small gathered
+values before the adds, so a skipped step yields zeros everywhere without a dense masking
+pass. Any flag set: every rank returns zeros and keeps its residual.
 
 Buffers: the compensated chunk lives in a reused workspace buffer, and with ``inplace=True``
 (the DDP hooks) my output chunk is built inside ``flat`` and the final all-gather fills the
@@ -63,11 +63,9 @@ from trainer.comm.sparse_common import (
     choose_k,
     compensate,
     mask_values_,
-    merge_flags,
-    nonfinite_flag,
     select,
-    to_wire,
     update_residual,
+    wire_and_flag,
 )
 from trainer.comm.timing import PhaseTimer, maybe_phase
 from trainer.comm.topology import Topology
@@ -129,18 +127,14 @@ def hitopk_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "
         reduce_scatter_sum(padded, topo.intra, out=x)
     with maybe_phase(timer, "select"):
         compensate(x, residual, divide_by, out=x)
-        x_flag = nonfinite_flag(x) if check_finite else None
     picks: list[tuple[Tensor, Tensor, Tensor]] = []
     pending: list[PendingGather] = []
-    for p, (a, b) in enumerate(bounds):
+    for a, b in bounds:
         with maybe_phase(timer, "select"):  # step 2, piece by piece
             values, idx = select(x[a:b], choose_k(density, b - a), selector)
             if a:
                 idx = idx + a
-            sent, overflow = to_wire(values, fp16)
-            flag = merge_flags(x_flag if p == 0 else None, overflow)
-            if flag is None and (check_finite or fp16):
-                flag = torch.zeros(1, device=flat.device)  # every packet carries one flag: same layout
+            sent, flag = wire_and_flag(values, fp16, check_finite)  # this piece's verdict
         picks.append((idx, values, sent))
         # Step 3 launched asynchronously: the transfer runs on gloo's threads (NCCL: its own
         # stream) while the next piece is selected. HAZARD: `sent`/`idx` were packed into a

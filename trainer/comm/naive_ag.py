@@ -10,10 +10,10 @@ why HiTopKComm exists; this is the baseline of Shi et al. Fig. 7.
 Sizes: any ``d >= 1`` works (no padding needed: every rank sends exactly k entries).
 ``divide_by``: the result is the sum divided by it (the hooks pass the world size, so it is the
 average); the division happens before selection and before any cast, and the residual is kept
-in the divided units. Non-finite values and fp16 overflow: every packet carries one fp32 flag
-(NaN/inf in the compensated vector with ``check_finite``; with ``fp16``, also a selected value
-that overflowed the cast); if any rank's flag is set, every rank returns zeros and leaves its
-residual unchanged (the verdict zeroes the small gathered values: no dense masking pass).
+in the divided units. Non-finite values and fp16 overflow: every packet carries one fp32 flag,
+computed from the k sent values only (``wire_and_flag``: NaN/inf are always selected, and an
+fp16 overflow shows up after the cast); if any rank's flag is set, every rank returns zeros and
+leaves its residual unchanged (the verdict zeroes the small gathered values: no dense pass).
 Buffers: the compensated vector lives in a reused workspace buffer; ``inplace=True`` (the DDP
 hooks) builds the output inside ``flat`` (no allocation, no copy). No host sync on CUDA.
 """
@@ -30,11 +30,9 @@ from trainer.comm.sparse_common import (
     choose_k,
     compensate,
     mask_values_,
-    merge_flags,
-    nonfinite_flag,
     select,
-    to_wire,
     update_residual,
+    wire_and_flag,
 )
 from trainer.comm.timing import PhaseTimer, maybe_phase
 from trainer.comm.topology import Topology
@@ -57,8 +55,7 @@ def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str =
         x = src if residual is None and divide_by == 1 else compensate(
             src, residual, divide_by, WORKSPACE.get("naive_ag_x", d, torch.float32, flat.device))
         values, idx = select(x, choose_k(density, d), selector)  # NaN/inf are selected, never raised on
-        sent, overflow = to_wire(values, fp16)
-        flag = merge_flags(nonfinite_flag(x) if check_finite else None, overflow)
+        sent, flag = wire_and_flag(values, fp16, check_finite)
     with maybe_phase(timer, "communicate"):
         g_vals, g_idx, g_extra = all_gather_packed(sent, idx, world, extras=flag).wait()
     with maybe_phase(timer, "decompress"):

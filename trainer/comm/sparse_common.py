@@ -45,32 +45,24 @@ def select(x: Tensor, k: int, selector: str) -> tuple[Tensor, Tensor]:
 def nonfinite_flag(x: Tensor) -> Tensor:
     """1-element fp32 tensor: 1.0 if ``x`` holds a NaN/inf, else 0.0. No host sync.
 
-    One read pass (``sum``): a NaN or inf anywhere makes the sum non-finite. A sum of finite
-    values that overflows fp32 (|sum| > 3.4e38) is also flagged, which is the right call:
-    such a gradient would overflow the update anyway.
+    One read pass (``sum``): a NaN or inf anywhere makes the sum non-finite (a sum of finite
+    values beyond fp32's range is flagged too: such a gradient would overflow the update anyway).
     """
     return (~torch.isfinite(x.sum(dtype=torch.float32))).to(torch.float32).reshape(1)
 
 
-def merge_flags(*flags: Tensor | None) -> Tensor | None:
-    """Element-wise max of the given 1-element flags (None entries ignored; None if all are)."""
-    out = None
-    for f in flags:
-        if f is not None:
-            out = f if out is None else torch.maximum(out, f)
-    return out
+def wire_and_flag(values: Tensor, fp16: bool, check: bool) -> tuple[Tensor, Tensor | None]:
+    """The selected values as they travel (float16 when ``fp16``) and the packet's verdict flag
+    (None when nothing is checked: ``check`` off and fp32).
 
-
-def to_wire(values: Tensor, fp16: bool) -> tuple[Tensor, Tensor | None]:
-    """The values as they travel, and (fp16 only) their overflow flag.
-
-    A value above 65504 becomes inf in float16: it is flagged here, AFTER the cast, exactly like
-    a NaN, so the step is skipped on every rank instead of sending an unflagged inf.
+    The flag only needs the k SENT values, never a pass over the whole vector: every selector
+    ranks NaN/inf above all finite magnitudes (``selection.py``), so a non-finite entry anywhere
+    in the compensated vector is among the selected ones. With ``fp16`` the same check, made
+    AFTER the cast, catches a value above 65504 that became inf: an overflow is flagged exactly
+    like a NaN, so the step is skipped on every rank instead of sending an unflagged inf.
     """
-    if not fp16:
-        return values, None
-    sent = values.to(torch.float16)
-    return sent, nonfinite_flag(sent)
+    sent = values.to(torch.float16) if fp16 else values
+    return sent, (nonfinite_flag(sent) if check or fp16 else None)
 
 
 def flag_is_set(flag: Tensor) -> bool | None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from trainer.comm.collectives import backend_for
+from trainer.comm.collectives import all_gather_single, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _gather_layout(host: str, local_size: int, local_rank: int) -> list[tuple[st
     record[_HOST_BYTES:].view(torch.int64).copy_(torch.tensor([local_size, local_rank]))
     device = "cpu" if backend_for(None, "cpu") != "none" else f"cuda:{torch.cuda.current_device()}"
     out = torch.empty(dist.get_world_size() * record.numel(), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(out, record.to(device))
+    all_gather_single(out, record.to(device))
     rows = out.cpu().view(-1, record.numel())
     layout = []
     for row in rows:
