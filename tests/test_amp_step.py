@@ -1,6 +1,10 @@
 """AMP: ``maybe_step(optimizer, state, scaler)`` with a CPU ``torch.amp.GradScaler`` on 2 real
 gloo ranks. The hooks' verdict and the scaler's inf check agree, the scale is updated exactly
-once per step (checked against a re-statement of GradScaler's rule), a skip is counted once."""
+once per step (checked against a re-statement of GradScaler's rule), a skip is counted once.
+
+The fused case uses Adam: torch 2.13's fused CPU SGD leaves its momentum buffer uninitialised
+when the very first step is skipped (seen here as garbage parameters after the first real step).
+"""
 
 from __future__ import annotations
 
@@ -38,7 +42,10 @@ def _run(rank: int, cfg: CommConfig, init_scale: float, steps: int, *, inf_at: i
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
     state = register(ddp, cfg)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, fused=fused or None)
+    if fused:  # decides skips on the device (GradScaler hands it found_inf); Adam: its state starts at zero
+        opt: torch.optim.Optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=True)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=GROWTH_INTERVAL)
     hook_flags, returned, moved, scales, finite = [], [], [], [], []
     for step in range(steps):
