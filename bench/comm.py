@@ -94,8 +94,7 @@ def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -
             times = []
             for nb in sizes:
                 x, o = torch.ones(nb // 4), torch.empty(p * nb // 4)
-                times.append(_timed(lambda fn=fn, x=x, o=o: fn(x, o), reps, active,
-                                    mean=not suffix))
+                times.append(_timed(lambda fn=fn, x=x, o=o: fn(x, o), reps, active, mean=not suffix))
             out[link + suffix] = {"sizes_bytes": sizes, "times_s": times}
     return out
 
@@ -109,9 +108,8 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
     sel = get_selector("mstopk")
     g = torch.Generator().manual_seed(1234)
     flat, res = torch.randn(d, generator=g), torch.randn(d, generator=g) * 0.01
-    bad = torch.zeros((), dtype=torch.bool)
-    out: dict[str, dict[str, list[float]]] = {k: {"counts": [], "times": []}
-                                              for k in ("select", "dense", "scatter")}
+    out: dict[str, dict[str, list[float]]] = {k: {"counts": [], "times": []} for k in ("select", "dense",
+                                                                                       "scatter")}
 
     def add(kind: str, count: int, fn: Any) -> None:  # all ranks at once: CPU sharing as in the methods
         out[kind]["counts"].append(count)
@@ -128,7 +126,7 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
         add("select", n, lambda x=x, r=r, n=n: select(x, r, max(1, round(rho * n))))
         # decompression's dense passes as in the methods: zero the reused output, write the residual back
         rbuf, obuf = torch.zeros(n), torch.zeros(n)
-        add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x) if not bad else None))
+        add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x)))
         kk = max(1, round(rho * d)) // frac  # per row; the methods add `world` rows, one at a time
         idx = torch.stack([torch.randperm(d, generator=g)[:kk] for _ in range(world)]).to(torch.int32)
         vals, dst = torch.randn(world, kk, generator=g), torch.zeros(d)
