@@ -21,10 +21,12 @@ Two paths, one result (the same indices, tested):
 * **compact** (CPU, ``COMPACT_MIN_NUMEL`` elements or more, ``k <= COMPACT_MAX_DENSITY * n``):
   a strided sample of ``m`` keys brackets ``T`` from below: ``t_lo`` is the sample's
   ``ceil(e + 4 sqrt(e) + 8)``-th largest key, ``e = k m / n`` (binomial error bars: a miss is
-  far below 1e-4). One pass compacts the entries with key ``>= t_lo`` (a data-dependent size,
-  free on a CPU); the same bisection then runs on the candidates only, over the bits in which
-  ``t_lo`` and the largest candidate differ. Fewer than ``k`` candidates means the bracket was
-  wrong: the device path then runs on the whole vector (``path == "fallback"``). Correctness
+  far below 1e-4), and ``t_hi`` (rank ``e - 4 sqrt(e) - 8``) from above. One pass compacts the
+  entries with key ``>= t_lo`` (a data-dependent size, free on a CPU); fewer than ``k`` of them
+  above ``t_hi`` are surely selected, and the same bisection runs on the band ``[t_lo, t_hi]``
+  only, over the bits in which its ends differ (a wrong ``t_hi`` just widens the band to every
+  candidate). Fewer than ``k`` candidates means ``t_lo`` was wrong: the device path then runs on
+  the whole vector (``path == "fallback"``). Correctness
   never depends on the sample, only speed (``bench/topk.py``; numbers in the README).
 """
 
