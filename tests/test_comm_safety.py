@@ -284,12 +284,14 @@ def test_replicas_bit_identical_on_cuda() -> None:  # pragma: no cover - needs G
 def test_training_step_sync_free_on_one_gpu() -> None:  # pragma: no cover - needs a GPU
     """One NCCL rank: every method/selector/fp16 combination runs backward (hooks included)
     under ``set_sync_debug_mode("error")``; replicas are trivially equal, so only syncs are checked."""
-    for method in METHOD_CHOICES:
-        for selector in ("mstopk", "exact"):
-            for fp16 in (False, True):
-                run_distributed(_cuda_replicas, world_size=1, local_size=1, backend="nccl",
-                                args=(CommConfig(method=method, selector=selector, fp16=fp16, density=0.05,
-                                                 min_numel_for_sparse=0), 4))
+    configs = [CommConfig(method=m, selector=s, fp16=f, density=0.05, min_numel_for_sparse=0)
+               for m in METHOD_CHOICES for s in ("mstopk", "exact") for f in (False, True)]
+    run_distributed(_cuda_sync_steps, world_size=1, local_size=1, backend="nccl", args=(configs,))
+
+
+def _cuda_sync_steps(rank: int, world: int, configs: list[CommConfig]) -> None:  # pragma: no cover
+    for cfg in configs:
+        _cuda_replicas(rank, world, cfg, steps=4)
 
 
 def _cuda_replicas(rank: int, world: int, config: CommConfig | None = None,
