@@ -30,10 +30,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainer.comm.names import METHOD_CHOICES as METHODS
+from trainer.comm.names import PHASES
+
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("allreduce", "torus", "naive_ag", "hitopk")  # cost_model.METHOD_CHOICES names
 LABELS = {"allreduce": "dense ring", "torus": "2D-Torus", "naive_ag": "NaiveAG", "hitopk": "HiTopKComm"}
-PHASES = ("select", "communicate", "decompress")
 
 
 # =============================================================== worker (inside a namespace)
@@ -93,8 +94,7 @@ def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -
             times = []
             for nb in sizes:
                 x, o = torch.ones(nb // 4), torch.empty(p * nb // 4)
-                times.append(_timed(lambda fn=fn, x=x, o=o: fn(x, o), reps, active,
-                                    mean=not suffix))
+                times.append(_timed(lambda fn=fn, x=x, o=o: fn(x, o), reps, active, mean=not suffix))
             out[link + suffix] = {"sizes_bytes": sizes, "times_s": times}
     return out
 
@@ -103,22 +103,21 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
     import torch
 
     from trainer.comm.selectors import get_selector
+    from trainer.comm.sparse_common import add_rows_, compensate, wire_and_flag
 
     sel = get_selector("mstopk")
     g = torch.Generator().manual_seed(1234)
     flat, res = torch.randn(d, generator=g), torch.randn(d, generator=g) * 0.01
-    bad = torch.zeros((), dtype=torch.bool)
-    out: dict[str, dict[str, list[float]]] = {k: {"counts": [], "times": []}
-                                              for k in ("select", "dense", "scatter")}
+    out: dict[str, dict[str, list[float]]] = {k: {"counts": [], "times": []} for k in ("select", "dense",
+                                                                                       "scatter")}
 
     def add(kind: str, count: int, fn: Any) -> None:  # all ranks at once: CPU sharing as in the methods
         out[kind]["counts"].append(count)
         out[kind]["times"].append(_timed(fn, reps))
 
-    def select(x: Any, r: Any, k: int) -> None:
-        y = torch.add(x, r, out=ybuf[:x.numel()])  # gradient + residual, reused buffer (as the methods)
-        torch.isfinite(y.sum())                     # the non-finite check
-        sel(y, k)
+    def select(x: Any, r: Any, k: int) -> None:  # as the methods: compensate, select, flag the sent values
+        y = compensate(x, r, world, out=ybuf[:x.numel()])
+        wire_and_flag(sel(y, k)[0], False, True)
 
     ybuf = torch.empty(d)
     for frac in (4, 2, 1):
@@ -127,23 +126,25 @@ def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dic
         add("select", n, lambda x=x, r=r, n=n: select(x, r, max(1, round(rho * n))))
         # decompression's dense passes as in the methods: zero the reused output, write the residual back
         rbuf, obuf = torch.zeros(n), torch.zeros(n)
-        add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x) if not bad else None))
-        kk = world * max(1, round(rho * d)) // frac
-        idx, vals = torch.randint(0, d, (kk,), generator=g, dtype=torch.int32), torch.randn(kk, generator=g)
-        dst = torch.zeros(d)
-        add("scatter", kk, lambda idx=idx, vals=vals, dst=dst: dst.index_add_(0, idx.long(), vals.float()))
+        add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x)))
+        kk = max(1, round(rho * d)) // frac  # per row; the methods add `world` rows, one at a time
+        idx = torch.stack([torch.randperm(d, generator=g)[:kk] for _ in range(world)]).to(torch.int32)
+        vals, dst = torch.randn(world, kk, generator=g), torch.zeros(d)
+        add("scatter", world * kk, lambda idx=idx, vals=vals, dst=dst: add_rows_(dst, idx, vals))
     return out
 
 
 def _run_method(name: str, flat: Any, topo: Any, rho: float, residual: Any, timer: Any) -> Any:
-    """One aggregation of ``flat``, in place as the DDP hooks run it (``flat`` is the scratch bucket)."""
+    """One aggregation of ``flat``, in place and averaged as the DDP hooks run it (``flat`` is the
+    scratch bucket)."""
     from trainer.comm import allreduce, hitopk, naive_ag, torus
 
+    kw = {"timer": timer, "inplace": True, "divide_by": topo.world_size}
     if name in ("allreduce", "torus"):
         fn = allreduce.allreduce_dense if name == "allreduce" else torus.torus_allreduce
-        return fn(flat, topo, timer=timer, inplace=True)
+        return fn(flat, topo, **kw)
     fn = naive_ag.naive_ag if name == "naive_ag" else hitopk.hitopk
-    return fn(flat, topo, density=rho, selector="mstopk", residual=residual, timer=timer, inplace=True)
+    return fn(flat, topo, density=rho, selector="mstopk", residual=residual, **kw)
 
 
 def worker(a: argparse.Namespace) -> None:

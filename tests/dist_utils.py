@@ -2,7 +2,8 @@
 
 ``run_distributed(fn, world_size=4, local_size=2, args=(...))`` spawns ``world_size``
 processes, sets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), initialises the default gloo process group, calls
+MASTER_ADDR, MASTER_PORT), initialises the default process group (gloo; ``backend="nccl"``
+gives each rank its own GPU, ``rank % device_count``), calls
 ``fn(rank, world_size, *args)`` and returns the list of per-rank return values (which must
 be picklable). An exception on any rank is re-raised in the parent with its traceback.
 ``fn`` must be a module-level function (spawn pickles it by reference). Return plain Python
@@ -44,7 +45,7 @@ def to_plain(obj: Any) -> Any:
 
 
 def _worker(rank: int, world_size: int, local_size: int, port: int, fn: Callable[..., Any],
-            args: Sequence[Any], queue: Any) -> None:
+            args: Sequence[Any], queue: Any, backend: str = "gloo") -> None:
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank % local_size), "LOCAL_WORLD_SIZE": str(local_size),
@@ -55,7 +56,9 @@ def _worker(rank: int, world_size: int, local_size: int, port: int, fn: Callable
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         queue.put((rank, True, to_plain(out)))
     except BaseException:  # report every failure to the parent, never hang it
@@ -66,11 +69,12 @@ def _worker(rank: int, world_size: int, local_size: int, port: int, fn: Callable
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 4, local_size: int = 2,
-                    args: Sequence[Any] = (), timeout: float = 240.0) -> list[Any]:
+                    args: Sequence[Any] = (), timeout: float = 240.0, backend: str = "gloo") -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, local_size, port, fn, tuple(args), queue))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, local_size, port, fn, tuple(args), queue, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

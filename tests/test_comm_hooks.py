@@ -15,8 +15,9 @@ from torch.testing import assert_close
 
 from tests.dist_utils import run_distributed
 from tests.test_comm_algorithms import from_plain, to_plain
+from trainer.comm.config import CommConfig
 from trainer.comm.error_feedback import ErrorFeedback
-from trainer.comm.hooks import HookState
+from trainer.comm.state import HookState
 from trainer.comm.switch import MethodSchedule
 from trainer.comm.topology import Topology
 
@@ -35,12 +36,16 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _ddp(state: HookState | None, model: nn.Module | None = None) -> nn.parallel.DistributedDataParallel:
-    from trainer.comm.hooks import register
+    from trainer.comm import register
 
     ddp = nn.parallel.DistributedDataParallel(model or _model(), bucket_cap_mb=CAP_MB)
     if state is not None:
         register(ddp, state)
     return ddp
+
+
+def _state(**config: object) -> HookState:
+    return HookState(CommConfig(**config))  # type: ignore[arg-type]
 
 
 def _backward(ddp: nn.Module, rank: int, step: int, nan: bool = False) -> None:
@@ -68,22 +73,22 @@ def _grads_after_two_steps(rank: int, state: HookState | None) -> list[torch.Ten
 def _rank_main(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from trainer.comm.hooks import maybe_step
+    from trainer.comm import maybe_step
 
     out: dict = {"plain": _grads_after_two_steps(rank, None), "hooked": {}}
     configs = [("allreduce", "mstopk", False), ("torus", "mstopk", False), ("allreduce", "mstopk", True),
                ("torus", "mstopk", True), ("naive_ag", "exact", True), ("hitopk", "mstopk", True)]
     configs += [(m, s, False) for m in ("naive_ag", "hitopk") for s in ("mstopk", "exact", "dgc")]
     for method, sel, fp16 in configs:
-        st = HookState(method=method, selector=sel, density=1.0, fp16=fp16, min_numel_for_sparse=0,
-                       partition_numel=128 if method == "hitopk" else 0)
+        st = _state(method=method, selector=sel, density=1.0, fp16=fp16, min_numel_for_sparse=0,
+                    partition_numel=128 if method == "hitopk" else 0)
         out["hooked"][(method, sel, fp16)] = _grads_after_two_steps(rank, st)
 
     # wrap() (DDP built for us) with gradient_as_bucket_view: grads are views of the buckets
-    from trainer.comm.hooks import wrap
+    from trainer.comm import wrap
 
-    st = HookState(method="hitopk", selector="exact", density=1.0, min_numel_for_sparse=0)
-    ddp = wrap(_model(), st, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
+    cfg = CommConfig(method="hitopk", selector="exact", density=1.0, min_numel_for_sparse=0)
+    ddp, st = wrap(_model(), cfg, bucket_cap_mb=CAP_MB, gradient_as_bucket_view=True)
     for step in range(2):
         _backward(ddp, rank, step)
         st.finish_step()
@@ -92,7 +97,7 @@ def _rank_main(rank: int, world: int) -> dict:
     # NaN on rank 3 at step 1: every rank skips, parameters and residuals stay, skip counted.
     nan: dict = {}
     for method in ("allreduce", "torus", "naive_ag", "hitopk"):
-        st = HookState(method=method, selector="mstopk", density=0.1, min_numel_for_sparse=0)
+        st = _state(method=method, selector="mstopk", density=0.1, min_numel_for_sparse=0)
         ddp = _ddp(st)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
         stepped, unchanged, res_kept = [], [], []
@@ -109,7 +114,7 @@ def _rank_main(rank: int, world: int) -> dict:
     out["nan"] = nan
 
     # Error-feedback checkpoint: continue with the original state vs. a reloaded copy.
-    st = HookState(method="hitopk", selector="exact", density=0.05, min_numel_for_sparse=0)
+    st = _state(method="hitopk", selector="exact", density=0.05, min_numel_for_sparse=0)
     ddp = _ddp(st)
     for step in range(3):
         _backward(ddp, rank, step)
@@ -118,7 +123,7 @@ def _rank_main(rank: int, world: int) -> dict:
     torch.save(st.state_dict(), buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
-    st2 = HookState(method="hitopk", selector="exact", density=0.05, min_numel_for_sparse=0)
+    st2 = _state(method="hitopk", selector="exact", density=0.05, min_numel_for_sparse=0)
     st2.topo = Topology.from_env()
     st2.load_state_dict(loaded)
     ddp2 = _ddp(st2, model=copy.deepcopy(ddp.module))
@@ -140,7 +145,7 @@ def _rank_main(rank: int, world: int) -> dict:
 
     # Switch: hitopk (step 0 dense by design, step 1 sparse) -> torus at step 2, no optimizer steps
     sched = MethodSchedule([(0, "hitopk"), (2, "torus")], unit="step")
-    st = HookState(schedule=sched, selector="exact", density=0.05, min_numel_for_sparse=0)
+    st = _state(schedule=sched, selector="exact", density=0.05, min_numel_for_sparse=0)
     ddp = _ddp(st)
     plain = _model()
     active, ef_sizes, reduced, local = [], [], [], []
@@ -209,13 +214,22 @@ def test_switch_changes_method_and_flushes_residuals(ranks: list[dict]) -> None:
             assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_hookstate_and_schedule_validation() -> None:
-    with pytest.raises(ValueError, match="allreduce, naive_ag, torus, hitopk"):
-        HookState(method="ring")
+def test_config_and_schedule_validation() -> None:
+    with pytest.raises(ValueError, match="allreduce, torus, naive_ag, hitopk"):
+        CommConfig(method="ring")
     with pytest.raises(ValueError, match="mstopk"):
-        HookState(selector="random")
+        CommConfig(selector="random")
     with pytest.raises(ValueError, match="density"):
-        HookState(density=0.0)
+        CommConfig(density=0.0)
+    with pytest.raises(ValueError, match="partition_numel"):
+        CommConfig(partition_numel=-1)
+    with pytest.raises(ValueError, match="CommConfig"):
+        HookState(config="hitopk")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="allreduce, torus, naive_ag, hitopk"):
+        MethodSchedule([(0, "ring")])
+    cfg = CommConfig(method="hitopk")
+    with pytest.raises(AttributeError):
+        cfg.method = "torus"  # type: ignore[misc]  # frozen
     with pytest.raises(ValueError, match="start at"):
         MethodSchedule([(1, "hitopk")])
     with pytest.raises(ValueError, match="unit"):

@@ -1,17 +1,22 @@
-"""Top-k selectors: exact k, int32 unique indices, signed values, recall, edge cases, fallback."""
+"""Top-k selectors: exactness on adversarial inputs (vs torch.topk and an independent numpy
+reference of the tie rule), the NaN/inf policy on every path, wrong brackets, no host syncs."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from trainer.comm import mstopk as mstopk_mod
+from tests.op_audit import SyncAudit
+from trainer.comm import selection
 from trainer.comm.dgc import dgc_topk_with_info
 from trainer.comm.exact_topk import exact_topk
-from trainer.comm.mstopk import mstopk, mstopk_with_info
+from trainer.comm.mstopk import COMPACT_MIN_NUMEL, mstopk, mstopk_with_info
 from trainer.comm.selectors import SELECTOR_CHOICES, get_selector
 
 D = 1 << 20  # ~1M
+SMALL, LARGE = 5000, 200_000  # device path only / compact path on CPU (>= COMPACT_MIN_NUMEL)
+assert SMALL < COMPACT_MIN_NUMEL <= LARGE
 
 
 def _data(kind: str, n: int, seed: int = 0) -> torch.Tensor:
@@ -20,13 +25,42 @@ def _data(kind: str, n: int, seed: int = 0) -> torch.Tensor:
         return torch.randn(n, generator=g)
     if kind == "student_t2":  # heavy tails: t(2) = z / sqrt(chi2(2) / 2), chi2(2) = -2 log U
         z = torch.randn(n, generator=g)
-        u = torch.rand(n, generator=g).clamp_min(1e-12)
-        return z / torch.sqrt(-torch.log(u))
-    if kind == "cauchy":
-        return torch.empty(n).cauchy_(generator=g)
-    if kind == "lognormal_scaled":  # per-element scales spanning orders of magnitude
-        return torch.randn(n, generator=g) * torch.exp(2.0 * torch.randn(n, generator=g))
+        return z / torch.sqrt(-torch.log(torch.rand(n, generator=g).clamp_min(1e-12)))
+    if kind == "lognormal8":  # log-normal, sigma = 8: magnitudes over ~30 orders of magnitude
+        sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        return sign * torch.exp(8.0 * torch.randn(n, generator=g))
+    if kind.startswith("outlier"):  # one value `scale` times the rest (scale from the name)
+        x = torch.randn(n, generator=g)
+        x[n // 3] = float(kind.split("_")[1]) * float(x.abs().max())
+        return x
+    if kind == "ties":  # a few distinct magnitudes: thousands of ties at the threshold
+        return torch.randint(-4, 5, (n,), generator=g).float() * 0.5
+    if kind == "denormal":  # zeros, denormals (down to 1.4e-45) and -0.0
+        bits = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int32)
+        x = bits.view(torch.float32) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        x[::7] = 0.0
+        x[1::7] = -0.0
+        return x
+    if kind == "all_equal":
+        return torch.full((n,), 0.125)
+    if kind == "all_negative":
+        return -torch.rand(n, generator=g) - 1e-3
     raise AssertionError(kind)
+
+
+KINDS = ("normal", "student_t2", "lognormal8", "outlier_1e9", "outlier_1e30", "outlier_1e3", "ties",
+         "denormal", "all_equal", "all_negative")
+
+
+def _reference(x: torch.Tensor, k: int) -> np.ndarray:
+    """Independent statement of the rule: sort by (magnitude desc, index asc), take k, as numpy
+    computes it (the magnitude order of IEEE floats, NaN above inf, via numpy's own bit view)."""
+    a = x.numpy()
+    mag = np.abs(a.astype(np.float64))
+    mag[np.isnan(a)] = np.inf
+    nan_rank = np.isnan(a).astype(np.int8)  # NaN ranks above +inf
+    order = np.lexsort((np.arange(a.size), -mag, -nan_rank))
+    return np.sort(order[:k])
 
 
 def _check_contract(x: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tensor) -> None:
@@ -36,111 +70,124 @@ def _check_contract(x: torch.Tensor, k: int, values: torch.Tensor, indices: torc
     assert torch.unique(indices).numel() == k
     if k:
         assert int(indices.min()) >= 0 and int(indices.max()) < x.numel()
-    assert torch.equal(values, x[indices.long()])
+    torch.testing.assert_close(values, x[indices.long()], equal_nan=True, rtol=0, atol=0)
 
 
-def _recall(x: torch.Tensor, k: int, indices: torch.Tensor) -> float:
-    ref = torch.topk(x.abs(), k).indices
-    hit = torch.zeros(x.numel(), dtype=torch.bool)
-    hit[ref] = True
-    return float(hit[indices.long()].sum()) / k
+def _same_magnitudes_as_topk(x: torch.Tensor, k: int, values: torch.Tensor) -> None:
+    """The selected magnitudes are exactly torch.topk's (as a multiset)."""
+    ref = torch.topk(x.abs().double(), k).values
+    got = torch.sort(values.abs().double(), descending=True).values
+    torch.testing.assert_close(got, torch.sort(ref, descending=True).values, equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module")
-def datasets() -> dict[str, torch.Tensor]:
-    kinds = ("normal", "student_t2", "lognormal_scaled")
-    return {kind: _data(kind, D, seed=i) for i, kind in enumerate(kinds)}
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+@pytest.mark.parametrize("kind", KINDS)
+def test_mstopk_exact_on_adversarial_inputs(kind: str, n: int) -> None:
+    x = _data(kind, n, seed=len(kind))
+    for k in (1, 7, n // 1000, n // 100, n // 10, n - 1, n):
+        if k < 1:
+            continue
+        ref = _reference(x, k)
+        for path in ("auto", "device"):
+            res = mstopk_with_info(x, k, path=path)
+            _check_contract(x, k, res.values, res.indices)
+            assert np.array_equal(res.indices.numpy(), ref), (kind, n, k, path, res.path)
+            _same_magnitudes_as_topk(x, k, res.values)
+            if 0 < k < n:  # the threshold is the k-th largest magnitude
+                assert float(res.threshold) == float(torch.topk(x.abs(), k).values[-1])
+        if n == LARGE and 1 < k <= n // 10 and kind not in ("all_equal", "ties"):
+            assert mstopk_with_info(x, k).path == "compact"
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "outlier_1e9", "lognormal8"])
+def test_wrong_bracket_still_exact(kind: str) -> None:
+    """The sample's bracket only saves work: too high (no candidates), too low (everything) and
+    a near miss (a few candidates short) all give the exact result."""
+    x = _data(kind, LARGE, seed=3)
+    keys = selection.magnitude_keys(x)
+    for k in (LARGE // 1000, LARGE // 100):
+        ref = _reference(x, k)
+        kth = int(torch.topk(keys, k).values[-1])
+        for bracket, path in ((int(keys.max()) + 1, "fallback"), (kth + 1, "fallback"), (0, "compact"),
+                              (kth, "compact")):
+            res = mstopk_with_info(x, k, bracket_key=bracket)
+            assert res.path == path, (bracket, res.path)
+            assert np.array_equal(res.indices.numpy(), ref), (kind, k, bracket)
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+def test_nan_inf_policy_same_on_every_path(n: int) -> None:
+    """NaN ranks above inf above every finite value; selected, never skipped, never raised."""
+    x = _data("normal", n, seed=11)
+    bad = torch.tensor([n // 2, 3, n - 1, n // 5])
+    x[bad[0]], x[bad[1]] = float("nan"), -float("nan")
+    x[bad[2]], x[bad[3]] = float("inf"), -float("inf")
+    for k in (1, 2, 3, 4, 10, n // 100):
+        ref = _reference(x, k)
+        paths = ("auto", "device", "compact") if n >= COMPACT_MIN_NUMEL else ("auto", "device")
+        for path in paths:
+            res = mstopk_with_info(x, k, path=path)
+            assert np.array_equal(res.indices.numpy(), ref), (k, path)
+        if k >= 4:
+            for name in SELECTOR_CHOICES:  # every selector picks every non-finite entry
+                idx = set(get_selector(name)(x, k)[1].tolist())
+                assert set(bad.tolist()) <= idx, name
+    assert set(mstopk(x, 2)[1].tolist()) == {3, n // 2}  # the two NaNs, lowest index rule inside
+
+
+def test_device_path_has_no_host_sync() -> None:
+    """The device path runs on the meta device (no data: any read of a value would fail) and
+    under the sync audit on CPU; the compact path does sync (the audit catches it)."""
+    for n, k in ((LARGE, 200), (SMALL, 1)):
+        for dtype in (torch.float32, torch.float16, torch.float64):
+            xm = torch.empty(n, device="meta", dtype=dtype)
+            res = mstopk_with_info(xm, k)
+            assert res.path == "device" and res.indices.shape == (k,) and res.indices.device.type == "meta"
+            assert exact_topk(xm, k)[1].shape == (k,)
+    x = _data("ties", LARGE)
+    with SyncAudit() as audit:
+        mstopk_with_info(x, 2000, path="device")
+    assert audit.found == []
+    with SyncAudit() as audit:
+        mstopk_with_info(x, 2000, path="compact")
+    assert "nonzero" in " ".join(audit.found)
+    selection.DEVICE_PATH_ON_CPU = True
+    try:
+        with SyncAudit() as audit:
+            res = mstopk_with_info(x, 2000)
+            exact_topk(x, 2000)
+    finally:
+        selection.DEVICE_PATH_ON_CPU = False
+    assert res.path == "device" and audit.found == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_other_dtypes_exact(dtype: torch.dtype) -> None:
+    x = _data("student_t2", LARGE, seed=2).to(dtype)
+    k = 2000
+    ref = _reference(x.double(), k) if dtype == torch.float64 else None
+    for path in ("auto", "device"):
+        res = mstopk_with_info(x, k, path=path)
+        _check_contract(x, k, res.values, res.indices)
+        _same_magnitudes_as_topk(x, k, res.values)
+        if ref is not None:
+            assert np.array_equal(res.indices.numpy(), ref)
+    for name in SELECTOR_CHOICES:
+        values, indices = get_selector(name)(x, k)
+        _check_contract(x, k, values, indices)
+        _same_magnitudes_as_topk(x, k, values)
 
 
 @pytest.mark.parametrize("name", SELECTOR_CHOICES)
 @pytest.mark.parametrize("density", [0.001, 0.01])
-def test_contract_and_recall(datasets: dict[str, torch.Tensor], name: str, density: float) -> None:
+def test_every_selector_exact_on_gradient_like_data(name: str, density: float) -> None:
     select = get_selector(name)
     k = int(D * density)
-    for kind, x in datasets.items():
+    for i, kind in enumerate(("normal", "student_t2", "lognormal8", "outlier_1e9")):
+        x = _data(kind, D, seed=i)
         values, indices = select(x, k)
         _check_contract(x, k, values, indices)
-        rec = _recall(x, k, indices)
-        assert rec >= 0.999, (name, kind, density, rec)
-
-
-def test_cauchy_recall_and_path() -> None:
-    x = _data("cauchy", D, seed=7)
-    for k in (D // 1000, D // 100):
-        res = mstopk_with_info(x, k, generator=torch.Generator().manual_seed(1))
-        assert res.path == "compact"
-        assert k < res.num_candidates < 4 * k  # compaction really shrank the search
-        _check_contract(x, k, res.values, res.indices)
-        assert _recall(x, k, res.indices) >= 0.999
-
-
-@pytest.mark.parametrize("compact", [True, False])
-def test_mstopk_thresholds(compact: bool) -> None:
-    x = _data("student_t2", D, seed=3)
-    k = D // 500
-    res = mstopk_with_info(x, k, compact=compact)
-    assert res.path == ("compact" if compact else "full")
-    a = x.abs()
-    chosen = torch.zeros(D, dtype=torch.bool)
-    chosen[res.indices.long()] = True
-    t1, t2 = float(res.thres1), float(res.thres2)
-    assert t2 < t1
-    # every element strictly above the upper threshold (indeed >= it) is selected ...
-    assert bool(chosen[a > t1].all()) and bool(chosen[a >= t1].all())
-    # ... and nothing below the lower threshold is
-    assert not bool(chosen[a < t2].any())
-    assert int((a >= t1).sum()) <= k < int((a >= t2).sum())
-
-
-def test_fallback_when_candidates_too_few() -> None:
-    x = _data("normal", D, seed=5)
-    k = D // 100
-    # rank 1 = the sample maximum: only a handful of elements of x lie above it, far fewer than k
-    res = mstopk_with_info(x, k, sample_ranks_override=(1, 0), generator=torch.Generator().manual_seed(0))
-    assert res.path == "fallback"
-    assert res.num_candidates == D
-    _check_contract(x, k, res.values, res.indices)
-    assert _recall(x, k, res.indices) >= 0.999
-    # the full path finds the same thresholds as the compact path would have needed
-    ok = mstopk_with_info(x, k, generator=torch.Generator().manual_seed(0))
-    assert ok.path == "compact"
-    assert _recall(x, k, ok.indices) >= 0.999
-    # a failed upper bracket (t_hi = sample median: far more than k "sure" entries) is
-    # detected and the search runs on all candidates instead
-    m = 1 << 17
-    bad = mstopk_with_info(x, k, sample_ranks_override=(k * m // D + 400, m // 2))
-    assert bad.path == "compact"
-    _check_contract(x, k, bad.values, bad.indices)
-    assert _recall(x, k, bad.indices) >= 0.999
-    # no upper bracket at all: same answer as with it
-    plain = mstopk_with_info(x, k, sample_ranks_override=(k * m // D + 400, 0))
-    assert _recall(x, k, plain.indices) >= 0.999
-
-
-def test_nested_bracketing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bands above SEARCH_MAX_NUMEL (at 25M, k = 1 %) are bracketed again; force it at 1M."""
-    monkeypatch.setattr(mstopk_mod, "SEARCH_MAX_NUMEL", 256)
-    depths: list[int] = []
-    inner = mstopk_mod._compact_search
-
-    def counting(*args: object, **kwargs: object) -> object:
-        depths.append(int(args[6]) if len(args) > 6 else int(kwargs.get("depth", 0)))  # type: ignore[arg-type]
-        return inner(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mstopk_mod, "_compact_search", counting)
-    for kind, density in (("normal", 0.01), ("student_t2", 0.001), ("lognormal_scaled", 0.01)):
-        x = _data(kind, D, seed=8)
-        k = int(D * density)
-        depths.clear()
-        res = mstopk_with_info(x, k, generator=torch.Generator().manual_seed(2))
-        assert res.path == "compact" and max(depths) >= 1, depths
-        _check_contract(x, k, res.values, res.indices)
-        assert _recall(x, k, res.indices) >= 0.999
-        a = x.abs()
-        chosen = torch.zeros(D, dtype=torch.bool)
-        chosen[res.indices.long()] = True
-        assert bool(chosen[a >= float(res.thres1)].all())
-        assert not bool(chosen[a < float(res.thres2)].any())
+        _same_magnitudes_as_topk(x, k, values)
 
 
 @pytest.mark.parametrize("name", SELECTOR_CHOICES)
@@ -153,47 +200,14 @@ def test_edge_cases(name: str) -> None:
     assert int(select(x, 1)[1]) == int(x.abs().argmax())
     empty = torch.empty(0)
     _check_contract(empty, 0, *select(empty, 5))
-    for n in (1000, 100_000):  # full path and compact path
-        for x in (torch.zeros(n), torch.full((n,), -2.5), torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)):
-            k = n // 100
-            values, indices = select(x, k)
-            _check_contract(x, k, values, indices)
-    # heavy ties at the threshold: few distinct magnitudes, still exactly k
-    g = torch.Generator().manual_seed(0)
-    for n in (5000, 100_000):
-        x = torch.randint(-4, 5, (n,), generator=g).float()
-        for k in (1, n // 100, n // 3, n - 1):
-            values, indices = select(x, k)
-            _check_contract(x, k, values, indices)
-            kth = torch.topk(x.abs(), k).values.min()
-            assert bool((values.abs() >= kth).all()) or name == "mstopk"
-            if name == "mstopk":  # all strictly larger magnitudes are in
-                assert int((values.abs() > kth).sum()) == int((x.abs() > kth).sum())
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-def test_other_dtypes(dtype: torch.dtype) -> None:
-    x = _data("normal", 300_000, seed=2).to(dtype)
-    k = 3000
-    for name in SELECTOR_CHOICES:
-        values, indices = get_selector(name)(x, k)
-        _check_contract(x, k, values, indices)
-        kth = torch.topk(x.abs().float(), k).values.min()
-        assert int((x.abs().float()[indices.long()] < kth).sum()) <= k // 100, name
-
-
-def test_determinism_with_generator() -> None:
-    x = torch.full((D // 8,), 1.0)  # everything ties: the pick is the random window
+def test_determinism_and_tie_rule() -> None:
+    x = torch.full((D // 8,), 1.0)  # everything ties: the lowest indices win
     k = D // 800
-    runs = [mstopk(x, k, generator=torch.Generator().manual_seed(s))[1] for s in (11, 11, 12)]
-    assert torch.equal(runs[0], runs[1])
-    assert not torch.equal(runs[0], runs[2])
-    # the window is contiguous in the list of between-threshold indices (here: all of them)
-    idx = runs[0].long()
-    assert int(idx.max() - idx.min()) == k - 1
-    y = _data("normal", D, seed=9)
-    a = mstopk(y, k, generator=torch.Generator().manual_seed(3))
-    b = mstopk(y, k, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(mstopk(x, k)[1], torch.arange(k, dtype=torch.int32))
+    y = _data("ties", D, seed=9)
+    a, b = mstopk(y, D // 100), mstopk(y, D // 100)
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
 
 
@@ -201,29 +215,29 @@ def test_dgc_readjustment_exact() -> None:
     x = _data("normal", 200_000, seed=4)
     k = 2000
     ref = set(torch.topk(x.abs(), k).indices.tolist())
-    adjusted = 0
-    for seed in range(6):
-        values, indices, adj = dgc_topk_with_info(x, k, generator=torch.Generator().manual_seed(seed))
+    adjusted = []
+    for ratio in (0.005, 0.01, 0.02, 0.05):
+        values, indices, adj = dgc_topk_with_info(x, k, sample_ratio=ratio)
         _check_contract(x, k, values, indices)
         assert set(indices.tolist()) == ref  # superset then exact top-k: equals exact top-k
-        adjusted += adj > 0
-    assert adjusted >= 1  # without a safety margin the sample threshold is often too high
+        adjusted.append(adj)
+    assert max(adjusted) >= 1  # without a safety margin the sample threshold is often too high
 
 
 def test_sparse_nonzero() -> None:
     g = torch.Generator().manual_seed(0)
     for n, p in ((8, 0.5), (4096, 0.0), (4096, 1.0), (80_000, 0.001), (80_000, 0.3)):
         mask = torch.rand(n, generator=g) < p
-        assert torch.equal(mstopk_mod.sparse_nonzero(mask), torch.nonzero(mask).squeeze(1))
+        assert torch.equal(selection.sparse_nonzero(mask), torch.nonzero(mask).squeeze(1))
 
 
 def test_workspace_reused() -> None:
     x = torch.randn(1 << 20)
     mstopk(x, 300)
-    a1, m1 = mstopk_mod._Workspace.get(x.numel(), x.dtype, x.device)
+    k1 = selection.WORKSPACE.get("select_keys", x.numel(), torch.int32, x.device)
     mstopk(x * 2, 300)
-    a2, m2 = mstopk_mod._Workspace.get(x.numel(), x.dtype, x.device)
-    assert a1.data_ptr() == a2.data_ptr() and m1.data_ptr() == m2.data_ptr()
+    k2 = selection.WORKSPACE.get("select_keys", x.numel(), torch.int32, x.device)
+    assert k1.data_ptr() == k2.data_ptr()
 
 
 def test_bad_input() -> None:
@@ -233,30 +247,28 @@ def test_bad_input() -> None:
         mstopk(torch.randn(4, 4), 2)
     with pytest.raises(ValueError, match="floating"):
         exact_topk(torch.arange(10), 2)
-    with pytest.raises(ValueError, match="iters"):
-        mstopk(torch.randn(10), 2, iters=0)
+    with pytest.raises(ValueError, match="path"):
+        mstopk_with_info(torch.randn(10), 2, path="fast")
     with pytest.raises(ValueError, match="sample_ratio"):
         get_selector("dgc")(torch.randn(10), 2, sample_ratio=0.0)
-    x = torch.randn(1000)
-    x[17] = float("inf")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        mstopk(x, 10)
-    x = torch.randn(300_000)
-    x[5] = float("inf")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        mstopk(x, 100)
+    with pytest.raises(ValueError, match="CPU tensor"):
+        mstopk_with_info(torch.empty(10, device="meta"), 2, path="compact")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_matches_contract() -> None:
-    x = _data("student_t2", D, seed=1).cuda()
-    k = D // 100
-    for name in SELECTOR_CHOICES:
-        values, indices = get_selector(name)(x, k)
-        assert values.is_cuda and indices.is_cuda
-        _check_contract(x.cpu(), k, values.cpu(), indices.cpu())
-        assert _recall(x.cpu(), k, indices.cpu()) >= 0.999
-    g = torch.Generator(device="cuda").manual_seed(0)
-    a = mstopk(x, k, generator=g)[1]
-    g.manual_seed(0)
-    assert torch.equal(a, mstopk(x, k, generator=g)[1])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_exact_and_sync_free() -> None:  # pragma: no cover - needs a GPU
+    for kind in ("student_t2", "ties", "outlier_1e30", "denormal"):
+        x = _data(kind, LARGE, seed=1)
+        x[5] = float("nan")
+        xc = x.cuda()
+        for k in (1, LARGE // 1000, LARGE // 100):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                values, indices = mstopk(xc, k)
+                ev, _ = exact_topk(xc, k)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert values.is_cuda and indices.is_cuda
+            assert np.array_equal(indices.cpu().numpy(), _reference(x, k)), (kind, k)
+            _same_magnitudes_as_topk(x, k, ev.cpu())

@@ -1,4 +1,4 @@
-"""Collective building blocks shared by the algorithms, with gloo workarounds measured here.
+"""Collective building blocks shared by the algorithms, dispatched on the tensor's device.
 
 * :func:`reduce_scatter_sum` — sum over the group, keep my ``1/size`` chunk.
 * :func:`all_gather_packed` — ONE all-gather of a byte packet per rank holding int32 indices,
@@ -8,47 +8,30 @@
 * :func:`all_gather_flat` — equal-size all-gather into one flat tensor (optionally into a
   caller-owned ``out``, e.g. the DDP bucket itself: no extra copy).
 
-gloo fast path (groups of 2..``P2P_MAX_GROUP`` ranks): a direct exchange in which every rank
-posts ALL its ``irecv`` before any ``isend`` (send-first ran half duplex here), receiving
-into reused workspace buffers (fresh 50-100 MB buffers cost page faults: ~2x on this VM).
-Measured (2 netns "nodes" x 2 ranks, 4 ranks on 2 shared cores, torch 2.13 CPU, gloo/TCP;
-/tmp micro-benchmark, median of 4, ms; intra = loopback pair, inter = veth at 1 Gbit/s):
+Dispatch (:func:`path_for`): a process group may hold one backend per device type
+(``init_process_group()`` with no backend gives ``"cpu:gloo,cuda:nccl"``), so the path is
+chosen from the backend that serves THIS tensor's device, not from the group's backend name:
 
-=====================================  ==========  ==========
-operation                              25M fp32    2.5M fp32
-=====================================  ==========  ==========
-intra reduce-scatter, all_to_all+sum    400-476        17
-  ... reduce_scatter_tensor (native)      599          --
-  ... all_reduce + slice (reused buf)   217-250        17
-  ... p2p irecv-first (reused buf)         97          11
-intra all-gather (12.5M per rank):
-  ... all_gather_into_tensor (native)   560-712        13
-  ... all_reduce of zero-filled buffer  166-197        27
-  ... p2p irecv-first (reused buf)        163           9
-inter all-gather, 1 MiB/rank (two runs):
-  ... native 17-29 ms, all_reduce-based 31-34 ms, p2p irecv-first 14-15 ms
-  (4 MiB: native 71-80, p2p 65-69 ms: the link dominates there)
-=====================================  ==========  ==========
-
-Through this module's functions in a later run: reduce-scatter 80 ms vs 270 ms for
-all_to_all_single + sum, all-gather 75 ms vs 313 ms native (same 25M fp32, intra).
-(FACTS.md's "all_to_all_single beats gloo's reduce_scatter" holds; p2p beats both.) Larger
-gloo groups (e.g. the world group of many nodes) use all_to_all_single + sum and gloo's
-native all-gather: a direct exchange opens ``size - 1`` concurrent streams per rank. NCCL
-uses its native collectives.
+* ``"p2p"``: gloo on CPU tensors, groups of 2..``P2P_MAX_GROUP`` ranks: a direct exchange in
+  which every rank posts ALL its ``irecv`` before any ``isend`` (send-first ran half duplex
+  here), receiving into reused workspace buffers. It beat gloo's own collectives 2-4x on the
+  emulated cluster (numbers: docs/comm_hooks.md);
+* ``"a2a"``: gloo on CPU tensors, larger groups: ``all_to_all_single`` + a local sum for the
+  reduce-scatter (FACTS.md: faster than gloo's reduce_scatter) and gloo's native all-gather (a
+  direct exchange would open ``size - 1`` concurrent streams per rank);
+* ``"native"``: every other backend/device pair (NCCL on CUDA tensors above all): the backend's
+  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``.
 
 A ``group`` of size 1 (or no torch.distributed at all) short-circuits: no communication.
 ``group=None`` means the default (world) group, as in torch.distributed.
 
-HAZARD (buffer reuse): :class:`Workspace` buffers are overwritten by the next call that asks
-for the same key on the same thread. Only scratch that never leaves a call lives there;
-results handed to callers are fresh tensors or caller-owned ``out`` buffers.
+HAZARD (buffer reuse): receive buffers come from ``trainer.comm.workspace.WORKSPACE`` and are
+overwritten by the next call that asks for the same key on the same thread; results handed to
+callers are fresh tensors or caller-owned ``out`` buffers.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,38 +39,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from trainer.comm.workspace import WORKSPACE
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 P2P_MAX_GROUP = 8  # gloo groups up to this size use the direct irecv-first exchange
-P2P_MIN_BYTES = 0  # measured: p2p wins at every size tried (10 MiB .. 100 MiB, 1 MiB inter)
-_MAX_WORKSPACE = 16  # cached buffers per thread
-
-
-class Workspace:
-    """Per-thread reusable scratch buffers keyed by ``(tag, numel, dtype, device)`` (LRU, bounded).
-
-    Thread-local because DDP may run hooks / future callbacks on more than one thread. See the
-    module's buffer-reuse HAZARD: never return a workspace buffer to a caller.
-    """
-
-    def __init__(self, max_entries: int = _MAX_WORKSPACE) -> None:
-        self._local = threading.local()
-        self.max_entries = max_entries
-
-    def get(self, tag: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """An uninitialised buffer of ``numel`` elements (contents left from its previous use)."""
-        cache: OrderedDict[tuple, Tensor] = getattr(self._local, "cache", None) or OrderedDict()
-        self._local.cache = cache
-        key = (tag, numel, dtype, torch.device(device))
-        buf = cache.pop(key, None)
-        if buf is None:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-        cache[key] = buf
-        while len(cache) > self.max_entries:
-            cache.popitem(last=False)
-        return buf
-
-
-WORKSPACE = Workspace()
 
 
 def group_size(group: Any) -> int:
@@ -104,15 +60,44 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def is_nccl(group: Any) -> bool:
-    return dist.is_initialized() and str(dist.get_backend(group)) == "nccl"
+def parse_backend_config(config: str, device_type: str) -> str:
+    """The backend serving ``device_type`` in a backend config string, lower case.
+
+    ``"gloo"`` (one backend for every device), ``"cpu:gloo,cuda:nccl"`` (one per device type,
+    what ``dist.get_backend_config`` returns); ``"none"`` when no backend serves that device.
+    """
+    per_device: dict[str, str] = {}
+    for part in (p.strip() for p in config.split(",")):
+        if not part:
+            continue
+        if ":" not in part:
+            return part.lower()
+        dev, backend = part.split(":", 1)
+        per_device[dev.strip().lower()] = backend.strip().lower()
+    return per_device.get(device_type, "none")
 
 
-def use_p2p(group: Any, nbytes: int = 0) -> bool:
-    """Whether the gloo direct-exchange fast path applies to ``group`` (see module docstring)."""
+def backend_for(group: Any, device: torch.device | str) -> str:
+    """The backend ``group`` uses for tensors on ``device`` ("gloo", "nccl", ...; "none" without dist)."""
+    if not dist.is_initialized():
+        return "none"
+    return parse_backend_config(str(dist.get_backend_config(group)), torch.device(device).type)
+
+
+def path_for(group: Any, device: torch.device | str) -> str:
+    """``"local"``, ``"p2p"``, ``"a2a"`` or ``"native"``: how collectives of ``device`` tensors run
+    on ``group`` (see the module docstring)."""
     n = group_size(group)
-    return (1 < n <= P2P_MAX_GROUP and nbytes >= P2P_MIN_BYTES
-            and str(dist.get_backend(group)) == "gloo")
+    if n == 1:
+        return "local"
+    if torch.device(device).type == "cpu" and backend_for(group, device) == "gloo":
+        return "p2p" if n <= P2P_MAX_GROUP else "a2a"
+    return "native"
+
+
+def use_p2p(group: Any, device: torch.device | str = "cpu") -> bool:
+    """Whether the gloo direct-exchange fast path serves ``device`` tensors on ``group``."""
+    return path_for(group, device) == "p2p"
 
 
 class _Works:
@@ -149,15 +134,15 @@ def all_reduce_sum_(t: Tensor, group: Any) -> Tensor:
     return t
 
 
-def reduce_scatter_sum(flat: Tensor, group: Any, *, out: Tensor | None = None,
-                       add: Tensor | None = None) -> Tensor:
+def reduce_scatter_sum(flat: Tensor, group: Any, *, out: Tensor | None = None) -> Tensor:
     """Sum ``flat`` over ``group`` and return my ``1/size`` chunk (chunk index = my group rank).
 
     ``flat.numel()`` must be divisible by the group size (callers pad). ``out`` (chunk-sized,
-    optional) receives the result; ``add`` (chunk-sized, optional) is added to it in the same
-    pass (HiTopK's error-feedback residual). ``flat`` is only read, except that ``out`` may be
-    my own chunk of ``flat`` (in-place; it is written after every send completed). gloo: direct exchange
-    (chunk j goes to rank j, irecv first) into workspace buffers, then one local sum; NCCL:
+    optional) receives the result. ``flat`` is only read, except that ``out`` may be my own
+    chunk of ``flat`` (in place; it is written after every send completed). Each chunk is summed
+    by its owner only, so every rank that later gathers it holds the same bits. Paths
+    (:func:`path_for`): p2p = direct exchange (chunk j goes to rank j, irecv first) into
+    workspace buffers, then one local sum; a2a = ``all_to_all_single`` + sum; native =
     ``reduce_scatter_tensor``.
     """
     n = group_size(group)
@@ -168,15 +153,13 @@ def reduce_scatter_sum(flat: Tensor, group: Any, *, out: Tensor | None = None,
     c = flat.numel() // n
     me = group_rank(group)
     if n == 1:
-        if out is None and add is None:
-            return flat
-        res = out if out is not None else torch.empty_like(flat)
-        return torch.add(flat, add, out=res) if add is not None else res.copy_(flat)
+        return flat if out is None else out.copy_(flat)
     res = out if out is not None else torch.empty(c, dtype=flat.dtype, device=flat.device)
     chunks = flat.view(n, c)
-    if is_nccl(group):
+    path = path_for(group, flat.device)
+    if path == "native":
         dist.reduce_scatter_tensor(res, flat, group=group)
-    elif use_p2p(group, flat.numel() * flat.element_size()):
+    elif path == "p2p":
         rbuf = WORKSPACE.get("rs_recv", (n - 1) * c, flat.dtype, flat.device).view(n - 1, c)
         recvs: list[Tensor | None] = [None] * n
         for j, row in zip([j for j in range(n) if j != me], rbuf):
@@ -189,16 +172,14 @@ def reduce_scatter_sum(flat: Tensor, group: Any, *, out: Tensor | None = None,
         recv = WORKSPACE.get("rs_a2a", flat.numel(), flat.dtype, flat.device)
         dist.all_to_all_single(recv, flat, group=group)
         torch.sum(recv.view(n, c), dim=0, out=res)
-    if add is not None:
-        res.add_(add)
     return res
 
 
 def all_gather_flat(t: Tensor, group: Any, *, out: Tensor | None = None) -> Tensor:
     """Concatenate every rank's equal-size ``t`` in group-rank order (into ``out`` when given).
 
-    ``t`` may already be my slice of ``out`` (then nothing is copied locally). gloo: direct
-    exchange, irecv first; NCCL / large groups: one native all-gather.
+    ``t`` may already be my slice of ``out`` (then nothing is copied locally). p2p: direct
+    exchange, irecv first; a2a / native: the backend's all-gather.
     """
     n = group_size(group)
     t = t.contiguous().view(-1)
@@ -215,10 +196,10 @@ def all_gather_flat(t: Tensor, group: Any, *, out: Tensor | None = None) -> Tens
         mine.copy_(t)
     if n == 1:
         return out
-    if not is_nccl(group) and use_p2p(group, c * t.element_size()):
+    if path_for(group, t.device) == "p2p":
         _exchange([mine] * n, list(rows), group).wait()
     else:
-        _all_gather_single(out, t, group=group)
+        all_gather_single(out, t, group=group)
     return out
 
 
@@ -287,7 +268,7 @@ def all_gather_packed(values: Tensor, indices: Tensor, group: Any, *, extras: Te
     if n == 1:
         return PendingGather(None, packet, 1, values.numel(), values.dtype, n_extras)
     out = torch.empty(n * packet.numel(), dtype=torch.uint8, device=packet.device)
-    if not is_nccl(group) and use_p2p(group, packet.numel()):
+    if path_for(group, packet.device) == "p2p":
         rows = out.view(n, -1)
         rows[group_rank(group)].copy_(packet)
         # HAZARD: the isends read `packet`, a fresh buffer owned by the handle until wait().
@@ -295,8 +276,15 @@ def all_gather_packed(values: Tensor, indices: Tensor, group: Any, *, extras: Te
         if not async_op:
             work.wait()
     else:
-        work = _all_gather_single(out, packet, group=group, async_op=async_op)
+        work = all_gather_single(out, packet, group=group, async_op=async_op)
     return PendingGather(work if async_op else None, out, n, values.numel(), values.dtype, n_extras)
+
+
+def divided_half(flat: Tensor, divide_by: int) -> Tensor:
+    """``flat / divide_by`` as float16 (the dense fp16 wire format), in one pass. Dividing BEFORE
+    the cast keeps averaged gradients in fp16's range (|x| <= 65504); whatever still overflows
+    becomes inf, and the caller's finiteness check after the reduction flags it on every rank."""
+    return torch.div(flat, divide_by, out=torch.empty(flat.numel(), dtype=torch.float16, device=flat.device))
 
 
 def pad_to_multiple(flat: Tensor, n: int) -> Tensor:

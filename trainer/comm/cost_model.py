@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-METHOD_CHOICES: tuple[str, ...] = ("allreduce", "torus", "naive_ag", "hitopk")
-FINAL_GATHER_CHOICES: tuple[str, ...] = ("dense", "sparse")
-PHASES: tuple[str, ...] = ("select", "communicate", "decompress")
+from trainer.comm.names import FINAL_GATHER_FORMS as FINAL_GATHER_CHOICES
+from trainer.comm.names import METHOD_CHOICES, PHASES
+
 INDEX_BYTES = 4  # int32 indices (trainer/comm/collectives.py::all_gather_packed bit-casts them)
 
 

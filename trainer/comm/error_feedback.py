@@ -107,11 +107,13 @@ class ErrorFeedback:
         self._res[key], self._meta[key] = res, meta
         return res
 
-    def flush_into(self, key: str, flat: Tensor, topo: Topology) -> bool:
-        """Add bucket ``key``'s residual into a dense gradient ``flat`` and forget it.
+    def flush_into(self, key: str, flat: Tensor, topo: Topology, scale: float = 1.0) -> bool:
+        """Add ``scale`` x bucket ``key``'s residual into a dense gradient ``flat`` and forget it.
 
         Used when the method switches from sparse to dense: summed over ranks, the flushed
-        residuals deliver exactly the mass that was held back. Returns True if one was added.
+        residuals deliver exactly the mass that was held back. The hooks keep residuals in
+        averaged units and divide the dense sum by the world size afterwards, so they pass
+        ``scale=world_size``. Returns True if one was added.
         """
         self._used.add(key)
         res = self._res.get(key)
@@ -123,12 +125,12 @@ class ErrorFeedback:
             self._drop(key, "topology or bucket size changed before it could be flushed")
             return False
         if meta["method"] == "naive_ag":
-            flat.add_(res.to(flat.dtype))
+            flat.add_(res.to(flat.dtype), alpha=scale)
         else:  # hitopk: my chunk of the padded bucket
             a = meta["local_rank"] * res.numel()
             b = min(a + res.numel(), flat.numel())
             if b > a:
-                flat[a:b].add_(res[: b - a].to(flat.dtype))
+                flat[a:b].add_(res[: b - a].to(flat.dtype), alpha=scale)
         del self._res[key], self._meta[key]
         return True
 

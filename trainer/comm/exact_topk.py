@@ -1,34 +1,31 @@
-"""Exact top-k by magnitude: ``torch.topk`` on ``|x|`` (the reference the paper compares to)."""
+"""Exact top-k by magnitude with ``torch.topk`` on ``|x|`` (the reference the paper compares to)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from trainer.comm.mstopk import WORKSPACE_MIN_NUMEL, _Workspace, check_input, take
+from trainer.comm.selection import WORKSPACE_MIN_NUMEL, check_input, host_reads_free, take
+from trainer.comm.workspace import WORKSPACE
 
 
 def exact_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exactly ``min(k, numel)`` entries with the largest ``|x|``: (values ``x[idx]``, int32 idx).
 
-    Ties at the k-th magnitude are broken by ``torch.topk``.  On the CPU the ``|x|`` buffer is
-    reused between calls of the same size (a fresh 25M buffer costs ~50 ms of page faults).
-    Indices are unique, in no particular order.
+    Ties at the k-th magnitude are broken by ``torch.topk`` (unspecified order); NaN/inf rank
+    above every finite value (``torch.topk``'s order, the policy of ``selection.py``). Indices are
+    unique, in no particular order. No host sync (``torch.topk`` has a static output size).
     """
     k = check_input(x, k, "exact_topk")
-    if k == 0:
-        idx = torch.empty(0, dtype=torch.int64, device=x.device)
-        return take(x, idx), idx.to(torch.int32)
-    if k == x.numel():
+    if k == 0 or k == x.numel():
         idx = torch.arange(k, device=x.device)
-        return x.clone(), idx.to(torch.int32)
-    if x.device.type == "cpu" and x.numel() >= WORKSPACE_MIN_NUMEL:
-        a, _ = _Workspace.get(x.numel(), x.dtype, x.device)
-        torch.abs(x, out=a)
+        return take(x, idx), idx.to(torch.int32)
+    if host_reads_free(x) and x.numel() >= WORKSPACE_MIN_NUMEL:
+        # CPU: reuse the |x| buffer (a fresh 25M buffer costs ~50 ms of page faults).
+        a = torch.abs(x, out=WORKSPACE.get("exact_abs", x.numel(), x.dtype, x.device))
     else:
-        # CUDA stream hazard: nothing here syncs, so a reused buffer could be overwritten by
-        # a later call on another stream while topk still reads it; the caching allocator
-        # already avoids the CPU's page-fault cost, so take a fresh buffer (small x: too).
+        # CUDA: the caching allocator has no page-fault cost, and a fresh buffer cannot be
+        # overwritten by a later call on another stream while topk still reads it.
         a = x.abs()
-    idx = torch.topk(a, k, sorted=False).indices  # no host sync
+    idx = torch.topk(a, k, sorted=False).indices
     return take(x, idx), idx.to(torch.int32)

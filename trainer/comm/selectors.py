@@ -2,11 +2,13 @@
 
 Every selector has the signature ``(x: 1-D float Tensor, k: int) -> (values, indices)`` and
 returns exactly ``min(max(k, 0), numel)`` entries: ``values == x[indices]`` (signed, x.dtype),
-``indices`` int32 and unique.  They run on CPU and CUDA alike.
+``indices`` int32 and unique. NaN/inf rank above every finite magnitude (``selection.py``).
 
-- ``mstopk``: Algorithm 1 of Shi et al. 2021 with candidate compaction (trainer/comm/mstopk.py).
-- ``exact``: ``torch.topk`` on ``|x|`` (trainer/comm/exact_topk.py).
-- ``dgc``: sampled threshold + re-adjustment, as in Deep Gradient Compression (trainer/comm/dgc.py).
+- ``mstopk``: exact, fixed-pass threshold search on magnitude keys (trainer/comm/mstopk.py);
+  ties at the threshold go to the lowest indices; no host sync on CUDA.
+- ``exact``: ``torch.topk`` on ``|x|`` (trainer/comm/exact_topk.py); no host sync on CUDA.
+- ``dgc``: sampled threshold + re-adjustment, as in Deep Gradient Compression (trainer/comm/dgc.py);
+  data-dependent sizes, so it syncs with the host on CUDA.
 """
 
 from __future__ import annotations
@@ -18,21 +20,17 @@ from torch import Tensor
 from trainer.comm.dgc import dgc_topk
 from trainer.comm.exact_topk import exact_topk
 from trainer.comm.mstopk import mstopk
+from trainer.comm.names import SELECTOR_CHOICES, check_choice
 
 Selector = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
-SELECTOR_CHOICES: tuple[str, ...] = ("mstopk", "exact", "dgc")
-
 _SELECTORS: dict[str, Selector] = {"mstopk": mstopk, "exact": exact_topk, "dgc": dgc_topk}
+assert tuple(_SELECTORS) == SELECTOR_CHOICES
 
 
 def get_selector(name: str) -> Selector:
     """The selector called ``name``; ``ValueError`` listing ``SELECTOR_CHOICES`` otherwise."""
-    try:
-        return _SELECTORS[name]
-    except (KeyError, TypeError):
-        choices = ", ".join(SELECTOR_CHOICES)
-        raise ValueError(f"unknown top-k selector {name!r}; choose one of: {choices}") from None
+    return _SELECTORS[check_choice("top-k selector", name, SELECTOR_CHOICES)]
 
 
 __all__ = ["SELECTOR_CHOICES", "Selector", "dgc_topk", "exact_topk", "get_selector", "mstopk"]

@@ -1,10 +1,17 @@
-"""Pieces shared by the sparse algorithms (NaiveAG, HiTopKComm): k, selection, flags, residuals."""
+"""Pieces shared by the sparse algorithms (NaiveAG, HiTopKComm): k, compensation, selection, the
+wire cast with its overflow flag, deterministic decompression, residuals.
+
+Host/device syncs: none here. Flags stay device tensors; on a CPU (where reading a tensor is
+free, ``selection.host_reads_free``) a few helpers branch in Python to skip whole passes, and on
+CUDA they use device-side masks instead.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from trainer.comm.selection import host_reads_free
 from trainer.comm.selectors import get_selector
 
 
@@ -17,6 +24,16 @@ def choose_k(density: float, numel: int) -> int:
     return min(numel, max(1, round(density * numel)))
 
 
+def compensate(src: Tensor, residual: Tensor | None, divide_by: int, out: Tensor) -> Tensor:
+    """``residual + src / divide_by`` into ``out`` (``out`` may be ``src``): the vector top-k
+    selects from. Dividing here, before any cast, is what keeps fp16 values in range."""
+    if residual is not None:
+        return torch.add(residual, src, alpha=1.0 / divide_by, out=out)
+    if divide_by != 1:
+        return torch.mul(src, 1.0 / divide_by, out=out)
+    return src if out is src else out.copy_(src)
+
+
 def select(x: Tensor, k: int, selector: str) -> tuple[Tensor, Tensor]:
     """Top-k of ``|x|`` by the named selector: ``(values x.dtype [k], indices int32 [k])``."""
     values, indices = get_selector(selector)(x, k)
@@ -25,48 +42,35 @@ def select(x: Tensor, k: int, selector: str) -> tuple[Tensor, Tensor]:
     return values, indices
 
 
-def wire_values(values: Tensor, fp16: bool) -> Tensor:
-    """The values as they travel (float16 when ``fp16``)."""
-    return values.to(torch.float16) if fp16 else values
-
-
 def nonfinite_flag(x: Tensor) -> Tensor:
     """1-element fp32 tensor: 1.0 if ``x`` holds a NaN/inf, else 0.0. No host sync.
 
-    One read pass (``sum``): a NaN or inf anywhere makes the sum non-finite. A sum of finite
-    values that overflows fp32 (|sum| > 3.4e38) is also flagged, which is the right call:
-    such a gradient would overflow the update anyway.
+    One read pass (``sum``): a NaN or inf anywhere makes the sum non-finite (a sum of finite
+    values beyond fp32's range is flagged too: such a gradient would overflow the update anyway).
     """
     return (~torch.isfinite(x.sum(dtype=torch.float32))).to(torch.float32).reshape(1)
 
 
-def flag_is_set(flag: Tensor) -> bool | None:
-    """Host value of a 0-d / 1-element flag WHEN reading it is free, else None.
+def wire_and_flag(values: Tensor, fp16: bool, check: bool) -> tuple[Tensor, Tensor | None]:
+    """The selected values as they travel (float16 when ``fp16``) and the packet's verdict flag
+    (None when nothing is checked: ``check`` off and fp32).
 
-    CPU-ONLY SPECIALISATION: on CPU a tensor read is not a host/device sync, so callers may
-    branch in Python and skip whole dense passes. On CUDA this returns None (reading would be
-    a host sync inside the hook) and callers use device-side masks instead.
+    The flag only needs the k SENT values, never a pass over the whole vector: every selector
+    ranks NaN/inf above all finite magnitudes (``selection.py``), so a non-finite entry anywhere
+    in the compensated vector is among the selected ones. With ``fp16`` the same check, made
+    AFTER the cast, catches a value above 65504 that became inf: an overflow is flagged exactly
+    like a NaN, so the step is skipped on every rank instead of sending an unflagged inf.
     """
-    if flag.device.type == "cpu":
+    sent = values.to(torch.float16) if fp16 else values
+    return sent, (nonfinite_flag(sent) if check or fp16 else None)
+
+
+def flag_is_set(flag: Tensor) -> bool | None:
+    """Host value of a 0-d / 1-element flag WHEN reading it is free (CPU), else None (CUDA:
+    reading would be a host sync inside the hook; callers use device-side masks instead)."""
+    if host_reads_free(flag):
         return bool(flag.reshape(-1)[0].item())
     return None
-
-
-def sanitize_(x: Tensor, flag: Tensor, *, owned: bool) -> Tensor:
-    """Zero ``x`` when ``flag`` (1-element, 1.0 = non-finite) is set, so selectors never see NaN/inf.
-
-    Selectors may reject or mis-order non-finite input (MSTopK raises), and the step will be
-    skipped anyway, so the values do not matter. In place when ``owned`` (``x`` is our scratch
-    tensor), else on a copy (never touch the caller's gradient). CPU: a Python branch, so the
-    common finite case costs nothing; CUDA: a device-side masked fill (no host sync).
-    """
-    on_host = flag_is_set(flag)
-    if on_host is not None:  # CPU branch: reading the flag is free
-        if not on_host:
-            return x
-        return x.zero_() if owned else torch.zeros_like(x)
-    mask = flag.reshape(()).bool()
-    return x.masked_fill_(mask, 0.0) if owned else x.masked_fill(mask, 0.0)
 
 
 def mask_values_(values: Tensor, bad: Tensor | None) -> Tensor:
@@ -83,15 +87,30 @@ def mask_values_(values: Tensor, bad: Tensor | None) -> Tensor:
     return values.masked_fill_(bad, 0.0)
 
 
+def add_rows_(out: Tensor, idx: Tensor, vals: Tensor) -> Tensor:
+    """``out[idx[r]] += vals[r]`` for the rows ``r = 0, 1, ...`` IN THIS ORDER; returns ``out``.
+
+    Deterministic decompression. Each row's indices must be unique (one rank's top-k, or the
+    disjoint pieces of one rank); an index that several rows share is summed in row order. One
+    ``index_add_`` per row means no two additions of one call hit the same element, so CUDA's
+    atomics never race and the float sum has a fixed order: every rank that decompresses the
+    same gathered rows gets the same bits (one ``index_add_`` over all rows would let the
+    atomics' scheduling order the duplicates, and replicas would drift apart).
+    """
+    for r in range(idx.shape[0]):
+        out.index_add_(0, idx[r].long(), vals[r])
+    return out
+
+
 def update_residual(residual: Tensor, x: Tensor, picks: list[tuple[Tensor, Tensor, Tensor]],
                     bad: Tensor | None) -> None:
     """Error feedback: ``residual <- x - sent`` (unchanged when the step is skipped).
 
-    ``x`` is the compensated vector (gradient + old residual) and may be overwritten; ``picks``
-    lists ``(indices int32, selected values, values as sent)``. With fp16 on the wire the
-    rounding error ``value - float(fp16(value))`` stays in the residual, so nothing is lost.
-    ``bad`` is the global non-finite flag (0-d bool); when set the old residual is kept:
-    a skipped step drops that step's gradient on every rank.
+    ``x`` is the compensated vector (:func:`compensate`) and may be overwritten; ``picks`` lists
+    ``(indices int32, selected values, values as sent)``. With fp16 on the wire the rounding
+    error ``value - float(fp16(value))`` stays in the residual, so nothing is lost. ``bad`` is
+    the global verdict (0-d bool); when set the old residual is kept (a skipped step drops that
+    step's gradient on every rank), so a NaN or an fp16 overflow never reaches a residual.
     """
     for idx, values, sent in picks:
         if sent.dtype == values.dtype:  # fp32 wire: what was sent is exactly the value

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("select", "communicate", "decompress")
+from trainer.comm.names import PHASES
 
 
 class PhaseTimer:

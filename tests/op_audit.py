@@ -1,0 +1,94 @@
+"""Dispatcher-level audits used by the comm tests on a machine without a GPU.
+
+``SyncAudit``: records every aten op that needs the host to read device data -- the ops that
+are a host/device sync on CUDA (``.item()``/``bool()``/``int()`` of a tensor, ``nonzero``,
+boolean-mask indexing, ``unique``, ``masked_select``, ``repeat_interleave`` without an output
+size, ``bincount``, ``equal``...). Run the CUDA code path on CPU tensors under it (see
+``trainer.comm.selection.DEVICE_PATH_ON_CPU``): an empty ``found`` list means the code would
+not sync on CUDA. This list is the reference the tests rely on; ``torch.cuda.set_sync_debug_mode``
+is the check on a real GPU.
+
+``ScatterAudit``: records every accumulating scatter (``index_add``, ``index_put`` with
+``accumulate=True``, ``scatter_add``, ``scatter_reduce``) whose index has DUPLICATES: on CUDA
+those sums run as atomics in an unspecified order, so the float result differs from run to run
+and from rank to rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_SYNC_OPS = {
+    aten._local_scalar_dense.default,  # .item(), bool(t), int(t), float(t)
+    aten.nonzero.default,
+    aten.nonzero.out,
+    aten.masked_select.default,
+    aten.unique_dim.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.allclose.default,
+    aten.repeat_interleave.Tensor,
+}
+
+
+def _name(func: Any) -> str:
+    return str(getattr(func, "__name__", func))
+
+
+class SyncAudit(TorchDispatchMode):
+    """Collect the names of host-syncing ops run inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SYNC_OPS:
+            self.found.append(_name(func))
+        elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
+            # boolean-mask indexing expands the mask with nonzero (a sync); integer indices do not
+            idx = args[1]
+            if any(t is not None and t.dtype == torch.bool for t in idx):
+                self.found.append(_name(func) + "(bool mask)")
+        return func(*args, **kwargs)
+
+
+_SCATTERS = {
+    aten.index_add_.default: 2, aten.index_add.default: 2, aten.index_add.out: 2,
+    aten.scatter_add_.default: 2, aten.scatter_add.default: 2,
+    aten.scatter_reduce_.two: 2, aten.scatter_reduce.two: 2,
+}
+
+
+class ScatterAudit(TorchDispatchMode):
+    """Collect accumulating scatters whose index holds duplicates (order-dependent on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.with_duplicates: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pos = _SCATTERS.get(func)
+        index = None
+        if pos is not None:
+            index = args[pos]
+        elif func in (aten.index_put_.default, aten.index_put.default) and (
+                kwargs.get("accumulate") or (len(args) > 3 and args[3])):
+            index = args[1][0]
+        if index is not None:
+            self.calls += 1
+            flat = index.reshape(-1)
+            if torch.unique(flat).numel() != flat.numel():
+                self.with_duplicates.append(_name(func))
+        return func(*args, **kwargs)
