@@ -58,7 +58,7 @@ def _cache_url(text: str) -> str:
     from datacache.config import ConfigError
 
     try:
-        return parse_cache_url(text, check=True).url
+        return parse_cache_url(text, check=True).secret_url  # re-parsed by the command (passwords kept)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -161,8 +161,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
-    from client.warm import warm_cache
     from datacache.config import default_cache_url
+    from datacache.warm import warm_cache
 
     cache = args.cache or default_cache_url()
     rep = warm_cache(args.source, cache, workers=args.workers, short_side=args.short_side,
@@ -180,10 +180,10 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from client.storeio import manifest_dir_for, shared_store
     from datacache.cacheurl import parse_cache_url
     from datacache.config import default_cache_url
     from datacache.manifest import Manifest, ManifestError
+    from datacache.readthrough import manifest_dir_for, shared_store
 
     cache = args.cache or default_cache_url()
     spec = parse_cache_url(cache).store
