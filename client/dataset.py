@@ -38,19 +38,16 @@ from torch.utils.data import Dataset
 
 from client.stats import SharedCounters, format_stats
 from client.storeio import to_chw_tensor
-from datacache.cacheurl import MAX_TIERS, parse_cache_url
+from datacache.cacheurl import parse_cache_url
 from datacache.columns import ArrayView, PairsView
 from datacache.config import ConfigError, Variant, default_cache_url
 from datacache.fillstatus import wait_until_warm
 from datacache.manifest import Manifest, check_revalidate
-from datacache.readthrough import COUNTERS as CORE_COUNTERS
-from datacache.readthrough import SOURCE_FAILURE, Failure, ReadThrough, manifest_dir_for
+from datacache.readthrough import COUNTERS, SOURCE_FAILURE, Failure, ReadThrough, manifest_dir_for
 
 log = logging.getLogger("client.dataset")
 
 ON_ERROR_CHOICES = ("substitute", "raise")
-TIER_COUNTERS = tuple(f"tier{i}_{what}" for i in range(MAX_TIERS) for what in ("hits", "misses", "bytes"))
-COUNTERS = (*CORE_COUNTERS, *TIER_COUNTERS, "writeback_dropped")
 _DECODE_THREADS = max(1, min(4, os.cpu_count() or 1))  # main process only: a worker decodes in one thread
 
 
@@ -178,8 +175,6 @@ class CachedImageNet(Dataset):
         """Load a whole batch with one store round trip (DataLoader calls this per batch)."""
         indices = [self._check_index(i) for i in indices]
         counts = dict.fromkeys(COUNTERS, 0)
-        store = self.reader.store
-        before = store.counters()
         try:
             out = self._load_many(indices, counts)
             for pos, item in enumerate(out):
@@ -193,10 +188,6 @@ class CachedImageNet(Dataset):
                     out[pos] = self._substitute(indices[pos], counts)
             counts["samples"] += len(indices)
         finally:
-            after = store.counters()
-            for name in (*TIER_COUNTERS, "writeback_dropped"):
-                if name in after:
-                    counts[name] += after[name] - before.get(name, 0)
             self._counters.add(counts)
         if self.transform is not None:
             out = [(self.transform(img), label) for img, label in out]

@@ -177,12 +177,14 @@ class CacheSpec:
         return "::".join(t.secret_url for t in self.tiers)
 
     def open(self) -> Any:
-        """The store of a one-tier URL, or a :class:`~datacache.tiered.TieredStore` over the tiers."""
-        if len(self.tiers) == 1:
-            return self.tiers[0].open()
+        """The store of a one-tier local URL, else a :class:`~datacache.tiered.TieredStore` over the tiers
+        (also for a single remote tier, whose write-backs then go through the background queue)."""
+        stores = [t.open() for t in self.tiers]
+        if len(stores) == 1 and not getattr(stores[0], "remote", False):
+            return stores[0]
         from datacache.tiered import TieredStore
 
-        return TieredStore([t.open() for t in self.tiers])
+        return TieredStore(stores)
 
 
 _SCHEMES: dict[str, SchemeSpec] = {}

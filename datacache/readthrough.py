@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from datacache.cacheurl import CacheSpec, StoreSpec, parse_cache_url
+from datacache.cacheurl import MAX_TIERS, CacheSpec, StoreSpec, parse_cache_url
 from datacache.config import Variant, user_cache_dir
 from datacache.fill import Decoder, fill_one
 from datacache.keys import sample_key
@@ -45,8 +45,10 @@ from datacache.source import Source
 COUNTERS = (
     "samples", "t2_hits", "t2_misses", "t2_invalid", "t2_bytes", "t2_written", "t2_known_bad",
     "t2_read_errors", "t2_write_errors", "t2_unavailable", "decoded", "errors", "substituted", "t1_hits",
-    "t1_misses", "t0_bytes", "t0_retries", "t0_errors",
+    "t1_misses", "t0_bytes", "t0_retries", "t0_errors", "writeback_dropped",
+    *(f"tier{i}_{what}" for i in range(MAX_TIERS) for what in ("hits", "misses", "bytes")),
 )
+_TIER_COUNTERS = COUNTERS[-3 * MAX_TIERS:]
 SOURCE_FAILURE, DECODE_FAILURE = 1, 2
 _SOURCE_DELTA = {"t1_hits": "t1_hits", "t1_misses": "t1_misses", "bytes_read": "t0_bytes",
                  "retries": "t0_retries", "errors": "t0_errors"}
@@ -169,13 +171,19 @@ class ReadThrough:
             after = store.counters()
             for name in ("read_errors", "write_errors", "unavailable"):
                 counts[f"t2_{name}"] += after.get(name, 0) - before.get(name, 0)
+            counts["writeback_dropped"] += after.get("writeback_dropped", 0) - before.get("writeback_dropped", 0)
 
     def _load(self, indices: Sequence[int], counts: dict[str, int], threads: int) -> list[Any]:
         man = self.manifest
         out: list[Any] = [None] * len(indices)
         keys = self.keys(indices)
         labels = man.labels[list(indices)].tolist()
+        tiers_before = self._store.counters()
         bufs = self._store.get_many(keys)
+        tiers_after = self._store.counters()  # per-tier figures of the sample lookups only
+        for name in _TIER_COUNTERS:
+            if name in tiers_after:
+                counts[name] += tiers_after[name] - tiers_before.get(name, 0)
         miss: list[int] = []  # positions
         invalid: set[int] = set()
         for pos, (key, buf) in enumerate(zip(keys, bufs)):

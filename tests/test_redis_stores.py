@@ -119,7 +119,8 @@ def test_unreachable_server_warns_at_open_and_serves_from_the_source(small_image
     assert "not reachable now" in caplog.text
     assert len(ds.__getitems__(list(range(6)))) == 6
     st = ds.stats()
-    assert st["decoded"] == 6 and st["t2"]["unavailable"] >= 6 and st["t2"]["write_errors"] == 6
+    assert st["decoded"] == 6 and st["t2"]["unavailable"] >= 6
+    assert ds.flush(timeout=10) and ds.store.counters()["write_errors"] == 6  # background write-backs failed too
 
 
 class _Bomb:
@@ -137,27 +138,28 @@ def test_poisoned_value_is_a_miss_refilled_and_never_unpickled(redis_url: str, s
 
     ds = CachedImageNet(small_imagefolder, redis_url, short_side=32, t1_dir=None)
     _Bomb.path = str(tmp_path / "unpickled")
-    store = ds.store
+    store = ds.store.tiers[0]  # the Redis tier itself (synchronous writes)
     store.put_many([(ds.key(0), pickle.dumps(_Bomb())), (ds.key(1), os.urandom(5000))])
     got = ds.__getitems__([0, 1])
     st = ds.stats()
     assert st["t2"]["invalid_rewritten"] == 2 and st["decoded"] == 2
     assert not os.path.exists(_Bomb.path)
+    assert ds.flush(timeout=10)  # the rewrite went through the background write-back queue
     assert all(decode_record(v, ds.key(i)) is not None for i, v in enumerate(store.get_many([ds.key(0), ds.key(1)])))
     assert [int(x[1]) for x in got] == [ds.targets[0], ds.targets[1]]
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
 def test_maxmemory_below_the_dataset(tmp_path, imagefolder_factory, policy: str, caplog) -> None:
-    """~77 KB records x 60 samples = 4.6 MB; the server may hold ~2 MB of them."""
+    """~77 KB records x 90 samples = 7 MB; the server may hold ~2-3 MB of them."""
     import torch
 
     from client.dataset import CachedImageNet
     from datacache.decode import decode_image
     from datacache.redis_local import start_server
 
-    root = imagefolder_factory(classes=3, per_class=20, size=(213, 160))
-    srv = start_server(str(tmp_path / "mm"), maxmemory="3mb", policy=policy)
+    root = imagefolder_factory(classes=3, per_class=30, size=(213, 160))
+    srv = start_server(str(tmp_path / "mm"), maxmemory="4mb", policy=policy)
     try:
         ds = CachedImageNet(root, f"redis://{srv.addr}/0", short_side=160, t1_dir=None)
         with caplog.at_level(logging.WARNING):
@@ -168,14 +170,15 @@ def test_maxmemory_below_the_dataset(tmp_path, imagefolder_factory, policy: str,
                         with open(os.path.join(root, ds.manifest.paths[i]), "rb") as f:
                             ref = torch.from_numpy(decode_image(f.read(), ds.variant)).permute(2, 0, 1)
                         assert torch.equal(img, ref) and label == ds.targets[i]
+        assert ds.flush(timeout=10)
         st = ds.stats()
-        info = ds.store.stats()
+        info = ds.store.tiers[0].stats()
         assert st["hits"] < len(ds) and st["decoded"] > len(ds)  # part cached at most, the rest refilled
         if policy == "allkeys-lru":  # sequential scans thrash an LRU smaller than the data (CoorDL's finding)
             assert info["evicted_keys"] > 0 and st["t2"]["write_errors"] == 0
         else:  # MinIO: keeps what it has, so the second pass hits exactly what the first one stored
-            assert info["evicted_keys"] == 0 and st["t2"]["write_errors"] > 0
-            assert st["hits"] == info["keys"] > 0
+            assert info["evicted_keys"] == 0 and info["write_errors"] > 0  # refused (background write-backs)
+            assert 0 < st["hits"] <= info["keys"], (st, info)
             assert "maxmemory" in caplog.text and "noeviction" in caplog.text  # one warning saying why
     finally:
         srv.stop()

@@ -111,8 +111,11 @@ register_scheme(SchemeSpec(
 
 
 def open_store(url: str | CacheSpec | StoreSpec) -> Any:
-    """Open the store named by ``url`` (a :class:`~datacache.tiered.TieredStore` for a ``::`` chain);
-    a bad URL raises ConfigError naming the part."""
-    if isinstance(url, (StoreSpec, CacheSpec)):
+    """Open the store named by ``url``: one tier as itself (synchronous writes, also for Redis), a ``::``
+    chain as a :class:`~datacache.tiered.TieredStore`. A bad URL raises ConfigError naming the part.
+    (The read path opens with :meth:`CacheSpec.open`, which also puts a lone remote tier behind the
+    background write-back queue.)"""
+    if isinstance(url, StoreSpec):
         return url.open()
-    return parse_cache_url(url).open()
+    spec = url if isinstance(url, CacheSpec) else parse_cache_url(url)
+    return spec.tiers[0].open() if len(spec.tiers) == 1 else spec.open()
