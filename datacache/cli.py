@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode processes (default: all cores)")
     w.add_argument("--short-side", type=_positive, default=160, help="cached short side in px (default 160)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.add_argument("--via-daemon", metavar="URL",
+                   help="do not decode here: register SOURCE with the cache daemons (POST URL/datasets, e.g. "
+                        "http://127.0.0.1:8470); every daemon then ingests its own share")
     _add_source_options(w)
 
     s = sub.add_parser(
@@ -164,6 +167,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     from datacache.config import default_cache_url
     from datacache.warm import warm_cache
 
+    if args.via_daemon:
+        return _register_with_daemon(args)
     cache = args.cache or default_cache_url()
     rep = warm_cache(args.source, cache, workers=args.workers, short_side=args.short_side,
                      revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir), t1_max_bytes=args.t1_max_bytes,
@@ -176,6 +181,28 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         print(f"  quarantined {rel}: {reason}")
     if len(rep.quarantined) > 20:
         print(f"  ... and {len(rep.quarantined) - 20} more")
+    return 0
+
+
+def _register_with_daemon(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = args.via_daemon.rstrip("/") + "/datasets"
+    body = json.dumps({"source": args.source, "short_side": args.short_side,
+                       "revalidate": args.revalidate}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            reply = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise OSError(f"{url}: the daemon refused the dataset ({e.code}: {e.read().decode(errors='replace')})"
+                      ) from None
+    except urllib.error.URLError as e:
+        raise OSError(f"{url}: no daemon answers there ({e.reason}); is datacache-daemon running?") from None
+    print(f"registered {reply['registered']} with the daemons at {args.via_daemon}; follow the fill at "
+          f"{args.via_daemon.rstrip('/')}/status (CachedImageNet.wait_warm() blocks until it is full)")
     return 0
 
 

@@ -122,6 +122,23 @@ def target_size(w: int, h: int, variant: Variant) -> tuple[int, int]:
     return max(1, round(w * scale)), max(1, round(h * scale))
 
 
+def plain_jpeg_target(data: bytes, variant: Variant) -> tuple[int, int] | None:
+    """Target (width, height) of a *plain* JPEG -- 8-bit RGB/YCbCr/gray, no EXIF rotation, within the
+    pixel limit -- that another decoder (DALI) may decode to the same variant; None for anything else
+    (CMYK, rotated, PNG, corrupt headers...), which :func:`decode_image` handles. Parses the header only."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format != "JPEG" or im.mode not in ("RGB", "L") or im.width * im.height > JPEG_MAX_PIXELS:
+                return None
+            if im.getexif().get(0x0112, 1) != 1:
+                return None
+            return target_size(im.width, im.height, variant)
+    except Exception:  # unreadable header: let decode_image produce the error message
+        return None
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
     """Convert any Pillow mode to 8-bit RGB (see "Colour modes")."""
     mode = im.mode

@@ -171,7 +171,8 @@ class ReadThrough:
             after = store.counters()
             for name in ("read_errors", "write_errors", "unavailable"):
                 counts[f"t2_{name}"] += after.get(name, 0) - before.get(name, 0)
-            counts["writeback_dropped"] += after.get("writeback_dropped", 0) - before.get("writeback_dropped", 0)
+            dropped = after.get("writeback_dropped", 0) - before.get("writeback_dropped", 0)
+            counts["writeback_dropped"] += dropped
 
     def _load(self, indices: Sequence[int], counts: dict[str, int], threads: int) -> list[Any]:
         man = self.manifest
@@ -292,16 +293,6 @@ class ReadThrough:
             self._store.put_many(bad)
 
     # ------------------------------------------------------------ for warm and the daemon
-    def missing(self, indices: Sequence[int]) -> list[int]:
-        """Those of ``indices`` the cache holds neither as a sample nor as a remembered bad file."""
-        indices = list(indices)
-        have = self.store.contains(self.keys(indices))
-        todo = [i for i, h in zip(indices, have) if not h]
-        if not todo:
-            return todo
-        bad = self._store.contains([self.qkey(i) for i in todo])
-        return [i for i, b in zip(todo, bad) if not b]
-
     def remember_bad(self, index: int, reason: str) -> tuple[bytes, bytes]:
         """The quarantine record for an undecodable file (written by the caller in its batch)."""
         return self.qkey(index), quarantine_value(self.manifest.paths[index], self.manifest.identity(index),

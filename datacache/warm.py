@@ -80,7 +80,10 @@ def _decode_chunk(indices: Sequence[int]) -> tuple[list[Result], int]:
     before = int(src.stats().get("bytes_read", 0))
     datas = src.read_many([man.paths[i] for i in indices], sizes=[int(man.sizes[i]) for i in indices],
                           identities=[man.identity(i) for i in indices])
-    kw = {"decoder": _W["decoder"]} if _W["decoder"] is not None else {}
+    decoder = _W["decoder"]
+    if hasattr(decoder, "prepare"):  # a batch backend (DALI) decodes the whole chunk at once
+        decoder.prepare(datas, reader.variant)
+    kw = {"decoder": decoder} if decoder is not None else {}
     out: list[Result] = []
     for i, data in zip(indices, datas):
         got = fill_one(data, rel=man.paths[i], size=int(man.sizes[i]), label=int(man.labels[i]),
@@ -106,7 +109,7 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
     pool = ctx.Pool(workers, initializer=_init_worker, initargs=(reader, decoder))
     try:
         store = store if store is not None else reader.store
-        todo = [i for s in range(0, len(indices), 4096) for i in _missing(reader, store, indices[s:s + 4096])]
+        todo = missing_in(reader, store, indices)
         rep.skipped = len(indices) - len(todo)
         log.info("fill %s -> %s: %d samples, %d already cached, %d to decode with %d processes",
                  reader.manifest.root, store.url, rep.total, rep.skipped, len(todo), workers)
@@ -140,13 +143,17 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
     return rep
 
 
-def _missing(reader: ReadThrough, store: Any, indices: Sequence[int]) -> list[int]:
-    if store is reader.store:
-        return reader.missing(indices)
-    have = store.contains(reader.keys(indices))
-    todo = [i for i, h in zip(indices, have) if not h]
-    bad = store.contains([reader.qkey(i) for i in todo]) if todo else []
-    return [i for i, b in zip(todo, bad) if not b]
+def missing_in(reader: ReadThrough, store: Any, indices: Sequence[int], step: int = 4096) -> list[int]:
+    """Those of ``indices`` that ``store`` holds neither as a sample nor as a remembered bad file
+    (asked in chunks of ``step`` keys)."""
+    out: list[int] = []
+    for s in range(0, len(indices), step):
+        part = list(indices[s:s + step])
+        have = store.contains(reader.keys(part))
+        todo = [i for i, h in zip(part, have) if not h]
+        bad = store.contains([reader.qkey(i) for i in todo]) if todo else []
+        out.extend(i for i, b in zip(todo, bad) if not b)
+    return out
 
 
 def _write_chunk(reader: ReadThrough, store: Any, got: tuple[list[Result], int], rep: WarmReport) -> None:

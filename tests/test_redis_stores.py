@@ -78,7 +78,7 @@ def test_dead_master_is_misses_for_its_keys_only(fresh_cluster) -> None:
     dead = fresh_cluster.masters[1]
     dead.kill()
     got = s.get_many([k for k, _ in items])  # never raises, never waits for the dead node
-    for (k, v), o, g in zip(items, owners, got):
+    for (_k, v), o, g in zip(items, owners, got):
         assert (g is None) if o == dead.addr else (g == v)
     c = s.counters()
     lost = owners.count(dead.addr)
@@ -102,9 +102,10 @@ def test_wrong_password_or_acl_user_is_a_clear_error_at_open(tmp_path, small_ima
             with pytest.raises(ConfigError, match=r"(?s)Wrong password or ACL user.*user:password@") as ei:
                 CachedImageNet(small_imagefolder, bad, short_side=32, t1_dir=None)
             assert "wrong" not in str(ei.value) and "s3cret" not in str(ei.value)  # never echoed
-        ds = CachedImageNet(small_imagefolder, f"redis://trainer:s3cret@{srv.addr}/0", short_side=32, t1_dir=None)
+        good = f"redis://trainer:s3cret@{srv.addr}/0"
+        ds = CachedImageNet(small_imagefolder, good, short_side=32, t1_dir=None)
         assert "s3cret" not in repr(ds) and "trainer:***@" in ds.cache_url
-        img, label = ds[0]
+        _img, label = ds[0]
         assert ds.stats()["decoded"] == 1 and ds[0][1] == label and ds.stats()["hits"] == 1
     finally:
         srv.stop()
@@ -115,12 +116,13 @@ def test_unreachable_server_warns_at_open_and_serves_from_the_source(small_image
     from datacache.redis_local import free_port
 
     with caplog.at_level(logging.WARNING):
-        ds = CachedImageNet(small_imagefolder, f"redis://127.0.0.1:{free_port()}/0", short_side=32, t1_dir=None)
+        url = f"redis://127.0.0.1:{free_port()}/0"
+        ds = CachedImageNet(small_imagefolder, url, short_side=32, t1_dir=None)
     assert "not reachable now" in caplog.text
     assert len(ds.__getitems__(list(range(6)))) == 6
     st = ds.stats()
     assert st["decoded"] == 6 and st["t2"]["unavailable"] >= 6
-    assert ds.flush(timeout=10) and ds.store.counters()["write_errors"] == 6  # background write-backs failed too
+    assert ds.flush(timeout=10) and ds.store.counters()["write_errors"] == 6  # background write-backs too
 
 
 class _Bomb:
@@ -145,7 +147,8 @@ def test_poisoned_value_is_a_miss_refilled_and_never_unpickled(redis_url: str, s
     assert st["t2"]["invalid_rewritten"] == 2 and st["decoded"] == 2
     assert not os.path.exists(_Bomb.path)
     assert ds.flush(timeout=10)  # the rewrite went through the background write-back queue
-    assert all(decode_record(v, ds.key(i)) is not None for i, v in enumerate(store.get_many([ds.key(0), ds.key(1)])))
+    values = store.get_many([ds.key(0), ds.key(1)])
+    assert all(decode_record(v, ds.key(i)) is not None for i, v in enumerate(values))
     assert [int(x[1]) for x in got] == [ds.targets[0], ds.targets[1]]
 
 
