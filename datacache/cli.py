@@ -19,6 +19,7 @@ EPILOG = textwrap.dedent("""\
       datacache demo --source /mnt/nfs/imagenet/train --cache lmdb:///var/cache/datacache --epochs 2
       datacache warm /mnt/nfs/imagenet/train --cache lmdb:///var/cache/datacache --workers 8
       datacache stats --cache lmdb:///var/cache/datacache
+      datacache plan /mnt/nfs/imagenet/train --nodes 16 --memory-per-node 256GiB --short-side 160
 
     The default cache is lmdb://$XDG_CACHE_HOME/datacache/lmdb (~/.cache when unset).
     In Python: from datacache import CachedImageNet; ds = CachedImageNet(source, cache=...)
@@ -139,6 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "http://127.0.0.1:8470); every daemon then ingests its own share")
     _add_source_options(w)
 
+    pl = sub.add_parser(
+        "plan", help="will the dataset fit the cluster's memory, raw or re-encoded?",
+        description="Print bytes per sample and in total for raw-pixel records (with Redis's per-key cost), "
+                    "re-encoded JPEG records and the raw files, whether each fits NODES x MEMORY "
+                    "(90 %% usable), "
+                    "and the recommended encoding. Sizes come from decoding a sample of the files.",
+        epilog="example:\n  datacache plan /mnt/nfs/imagenet/train --nodes 16 --memory-per-node 256GiB "
+               "--short-side 160",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("source", metavar="SOURCE", help="dataset URL/path (ImageFolder or .txt/.csv list)")
+    pl.add_argument("--nodes", type=_positive, required=True, help="cache nodes (Redis masters)")
+    pl.add_argument("--memory-per-node", type=_byte_size, required=True, metavar="SIZE",
+                    help="memory for the cache on each node, e.g. 256GiB")
+    pl.add_argument("--short-side", type=_positive, default=160, help="cached short side in px (default 160)")
+    pl.add_argument("--sample", type=_positive, default=64,
+                    help="files decoded to measure sizes (default 64)")
+    pl.add_argument("--measure-redis", action="store_true",
+                    help="also measure the per-key cost on a throwaway redis-server (needs redis-server)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
     s = sub.add_parser(
         "stats", help="show what a cache holds",
         description="Print the store's statistics (entries, bytes, map size) and the dataset manifests "
@@ -206,6 +227,17 @@ def _register_with_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from datacache.plan import format_plan, plan
+
+    p = plan(args.source, nodes=args.nodes, memory_per_node=args.memory_per_node, short_side=args.short_side,
+             sample=args.sample, measure_redis=args.measure_redis)
+    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    return 0
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from datacache.cacheurl import parse_cache_url
     from datacache.config import default_cache_url
@@ -247,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits with code 2 on usage errors
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"demo": _cmd_demo, "warm": _cmd_warm, "stats": _cmd_stats}
+    handlers = {"demo": _cmd_demo, "warm": _cmd_warm, "plan": _cmd_plan, "stats": _cmd_stats}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
