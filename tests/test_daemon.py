@@ -23,12 +23,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 32
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_daemons():
+    """Whatever a test leaves running (a failed assertion, a timeout) is killed with its decode pool."""
+    yield
+    while _STARTED:
+        p = _STARTED.pop()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+
+
 def start_daemon(*args: str, log: str) -> subprocess.Popen:
     """A daemon in its own process group (SIGKILL of the group = what systemd does to the unit)."""
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, "-m", "cache_daemon", "--no-progress", "--workers", "1",
-                                 "--poll-interval", "0.3", *args], stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+        p = subprocess.Popen([sys.executable, "-m", "cache_daemon", "--no-progress", "--workers", "1",
+                              "--poll-interval", "0.3", *args], stdout=f, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+    _STARTED.append(p)
+    return p
 
 
 def read(path: str) -> str:
