@@ -12,9 +12,9 @@
   ``read_vs_redis_benchmark`` (>= 0.7);
 * **daemon fill** from the NFS stand-in (``slowfile://``, 5 ms per request, 50 MB/s per process) with
   Pillow and with DALI, vs min(bandwidth bound, decode bound): ``fill_vs_bound`` (>= 0.9; Pillow's,
-  ``fill_vs_bound_dali`` for DALI). Bandwidth bound = pool processes x 50 MB/s / mean file size (the
-  stand-in's link is per process); decode bound = pool processes x one process's decode + encode rate
-  of that backend on bytes in memory, measured in the same run;
+  ``fill_vs_bound_dali`` for DALI). Bandwidth bound = 50 MB/s / mean file size (the daemon reads in
+  one process, so through one stand-in link); decode bound = pool processes x one process's decode +
+  encode rate of that backend on bytes in memory, measured in the same run;
 * **sweep**: run 1 (a new process, empty cluster: its first epoch is cold) and run 2 (another new
   process): ``run2_vs_warm`` = run 2's first epoch / run 1's warm epochs (>= 0.9), ``run2_vs_run1`` =
   run 2's first epoch / run 1's first epoch (>= 10);
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster = start_cluster(os.path.join(tmp, "cluster"), 3)
     url, lmdb = cluster.url, "lmdb://" + lmdb_dir
     res: dict[str, Any] = {"cluster": url}
-    notes = [f"{os.cpu_count()} cores shared by the 3 redis-servers, the loader workers and other jobs on this "
-             "machine: absolute numbers are noisy, ratios are measured side by side"]
+    notes = [f"{os.cpu_count()} cores shared by the 3 redis-servers, the loader workers and other jobs on "
+             "this machine: absolute numbers are noisy, ratios are measured side by side"]
     try:
         print("cold epochs (fresh loaders, worker start-up included in all three)")
         res["naive_fresh"] = P.naive_fresh_epoch(root, batch, args.workers)
@@ -73,14 +73,16 @@ def main(argv: list[str] | None = None) -> None:
         for k in ("naive_fresh", "cold_lmdb", "cold_cluster"):
             print(f"  {k:14s} {res[k]['samples_per_s']:8.0f} samples/s")
         print("warm epochs, interleaved")
-        res["warm"] = P.warm_rounds(root, {"cluster": url, "lmdb": lmdb}, batch, args.workers, rounds=3, fast=2)
+        res["warm"] = P.warm_rounds(root, {"cluster": url, "lmdb": lmdb}, batch, args.workers, rounds=3,
+                                    fast=2)
         for k, v in res["warm"].items():
             print(f"  {k:14s} {v['samples_per_s']:8.0f} samples/s")
         res["dali_cpu"] = run_dali(root, batch, epochs=2)
         print(f"  dali_cpu       {res['dali_cpu'].get('samples_per_s', float('nan')):8.0f} samples/s")
         print("batched reads vs redis-benchmark")
         res["batched_read"] = P.batched_read(url, root, batch)
-        res["redis_benchmark"] = P.redis_benchmark(cluster.masters[0].port, int(res["batched_read"]["mean_value"]))
+        value = int(res["batched_read"]["mean_value"])
+        res["redis_benchmark"] = P.redis_benchmark(cluster.masters[0].port, value)
         print(f"  get_many {res['batched_read']['MB_per_s']:.0f} MB/s, redis-benchmark "
               f"{res['redis_benchmark']['MB_per_s']:.0f} MB/s")
         res["fill"] = fill_part(root, url, cluster, args.workers)
@@ -96,20 +98,22 @@ def main(argv: list[str] | None = None) -> None:
     run1_warm = sum(e["samples_per_s"] * e["seconds"] for e in run1[1:]) / sum(e["seconds"] for e in run1[1:])
     naive = res["naive_fresh"]["samples_per_s"]
     fill = res["fill"]
+    warm = {k: v["samples_per_s"] for k, v in res["warm"].items()}
     ratios = {
-        "cluster_warm_vs_naive": res["warm"]["cluster"]["samples_per_s"] / res["warm"]["naive"]["samples_per_s"],
+        "cluster_warm_vs_naive": warm["cluster"] / warm["naive"],
         "read_vs_redis_benchmark": res["batched_read"]["MB_per_s"] / res["redis_benchmark"]["MB_per_s"],
         "fill_vs_bound": fill["pillow"]["samples_per_s"] / fill["pillow"]["bound"],
-        "fill_vs_bound_dali": (fill["dali"]["samples_per_s"] / fill["dali"]["bound"]) if "dali" in fill else None,
+        "fill_vs_bound_dali": (fill["dali"]["samples_per_s"] / fill["dali"]["bound"]
+                               if "dali" in fill else None),
         "run2_vs_warm": run2[0]["samples_per_s"] / run1_warm,
         "run2_vs_run1": run2[0]["samples_per_s"] / run1[0]["samples_per_s"],
         "cold_vs_naive_lmdb": res["cold_lmdb"]["samples_per_s"] / naive,
         "cold_vs_naive_cluster": res["cold_cluster"]["samples_per_s"] / naive,
         "minio_hit_vs_fraction": res["policy"]["noeviction"]["hit_vs_fraction"],
         "lru_hit_vs_fraction": res["policy"]["allkeys-lru"]["hit_vs_fraction"],
-        "lmdb_warm_vs_naive": res["warm"]["lmdb"]["samples_per_s"] / res["warm"]["naive"]["samples_per_s"],
-        "cluster_warm_vs_lmdb_warm": res["warm"]["cluster"]["samples_per_s"] / res["warm"]["lmdb"]["samples_per_s"],
-        "cluster_warm_vs_dali": (res["warm"]["cluster"]["samples_per_s"] / res["dali_cpu"]["samples_per_s"]
+        "lmdb_warm_vs_naive": warm["lmdb"] / warm["naive"],
+        "cluster_warm_vs_lmdb_warm": warm["cluster"] / warm["lmdb"],
+        "cluster_warm_vs_dali": (warm["cluster"] / res["dali_cpu"]["samples_per_s"]
                                  if res["dali_cpu"].get("available") else None),
     }
     ratios["cold_vs_naive"] = min(ratios["cold_vs_naive_lmdb"], ratios["cold_vs_naive_cluster"])
@@ -117,12 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, target in TARGETS.items():
         if ratios[name] is not None and ratios[name] < target:
             notes.append(f"target missed: {name} = {ratios[name]:.2f} < {target}")
-    config = {"images": res["warm"]["naive"]["epochs"] and n_images, "batch_size": batch, "workers": args.workers,
+    config = {"images": n_images, "batch_size": batch, "workers": args.workers,
               "image_size": P.SIZE, "short_side": 160, "masters": 3, "quick": args.quick,
               "nfs_stand_in": "slowfile:// latency 5 ms per request, 50 MB/s per process"}
     name = "cluster_quick" if args.quick else "cluster"
     with tempfile.TemporaryDirectory(dir=RESULTS_DIR) as out:
-        write_results(name, machine=machine, config=config, results=res, ratios=ratios, notes=notes, out_dir=out)
+        write_results(name, machine=machine, config=config, results=res, ratios=ratios, notes=notes,
+                      out_dir=out)
         plot(os.path.join(out, name + ".png"), res, run1_warm)
         for ext in (".json", ".png"):
             os.replace(os.path.join(out, name + ext), RESULTS_DIR / (name + ext))
@@ -139,7 +144,7 @@ def fill_part(root: str, url: str, cluster: Any, workers: int) -> dict[str, Any]
         P.flush_cluster(cluster)
         one = P.decode_bound(root, dec)
         got = P.daemon_fill(root, url, dec, workers, latency_ms=5, mbps=50)
-        bw = workers * 50e6 / got["mean_file_bytes"]
+        bw = 50e6 / got["mean_file_bytes"]  # one reading process (the daemon's parent), one 50 MB/s link
         got.update(decode_bound_one_process=one, decode_bound=workers * one, bandwidth_bound=bw,
                    bound=min(bw, workers * one))
         out[name] = got
@@ -156,10 +161,11 @@ def plot(path: str, res: dict[str, Any], run1_warm: float) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     w = res["warm"]
-    labels = ["naive PIL", "DALI CPU", "cold LMDB", "cold cluster", "warm LMDB", "warm cluster", "copy ceiling"]
-    vals = [w["naive"]["samples_per_s"], res["dali_cpu"].get("samples_per_s", 0.0), res["cold_lmdb"]["samples_per_s"],
-            res["cold_cluster"]["samples_per_s"], w["lmdb"]["samples_per_s"], w["cluster"]["samples_per_s"],
-            w["copy_ceiling"]["samples_per_s"]]
+    labels = ["naive PIL", "DALI CPU", "cold LMDB", "cold cluster", "warm LMDB", "warm cluster",
+              "copy ceiling"]
+    vals = [w["naive"]["samples_per_s"], res["dali_cpu"].get("samples_per_s", 0.0),
+            res["cold_lmdb"]["samples_per_s"], res["cold_cluster"]["samples_per_s"],
+            w["lmdb"]["samples_per_s"], w["cluster"]["samples_per_s"], w["copy_ceiling"]["samples_per_s"]]
     axes[0].bar(range(len(vals)), vals)
     axes[0].set_xticks(range(len(vals)), labels, rotation=30, ha="right")
     axes[0].set_title("epochs: samples/s (128 px RRC+flip, 2 workers)")
@@ -170,7 +176,8 @@ def plot(path: str, res: dict[str, Any], run1_warm: float) -> None:
     fill = res["fill"]
     names = list(fill)
     axes[2].bar([f"{n} fill" for n in names] + [f"{n} bound" for n in names],
-                [fill[n]["samples_per_s"] for n in names] + [fill[n]["bound"] for n in names], color="tab:orange")
+                [fill[n]["samples_per_s"] for n in names] + [fill[n]["bound"] for n in names],
+                color="tab:orange")
     axes[2].set_title("daemon fill from slowfile:// (5 ms, 50 MB/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

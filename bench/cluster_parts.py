@@ -47,7 +47,8 @@ def cold_epoch(root: str, cache: str, batch: int, workers: int) -> dict[str, Any
     worker start-up included (as for :func:`naive_fresh_epoch`)."""
     ds = CachedImageNet(root, cache, short_side=160, t1_dir=None)
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
-                                         collate_fn=AugmentCollate(SIZE), generator=torch.Generator().manual_seed(1))
+                                         collate_fn=AugmentCollate(SIZE),
+                                         generator=torch.Generator().manual_seed(1))
     t = time.perf_counter()
     n = sum(int(labels.numel()) for _, labels in loader)
     dt = time.perf_counter() - t
@@ -105,14 +106,14 @@ def batched_read(url: str, root: str, batch: int, repeats: int = 3) -> dict[str,
         for s in range(0, len(keys), batch):
             nbytes += sum(len(v) for v in store.get_many(keys[s:s + batch]) if v is not None)
     dt = time.perf_counter() - t
-    return {"MB_per_s": nbytes / dt / 1e6, "bytes": nbytes, "seconds": dt, "mean_value": nbytes / (repeats * len(keys)),
-            "fetch_bytes": store.fetch_bytes}
+    return {"MB_per_s": nbytes / dt / 1e6, "bytes": nbytes, "seconds": dt,
+            "mean_value": nbytes / (repeats * len(keys)), "fetch_bytes": store.fetch_bytes}
 
 
 def redis_benchmark(port: int, value_bytes: int, requests: int = 20000, clients: int = 4) -> dict[str, Any]:
     """``redis-benchmark --cluster -t set,get -P 16 -d SIZE``: GET requests/s x value size."""
-    cmd = ["redis-benchmark", "-p", str(port), "--cluster", "-t", "set,get", "-P", "16", "-d", str(value_bytes),
-           "-n", str(requests), "-r", str(requests), "-c", str(clients), "-q"]
+    cmd = ["redis-benchmark", "-p", str(port), "--cluster", "-t", "set,get", "-P", "16",
+           "-d", str(value_bytes), "-n", str(requests), "-r", str(requests), "-c", str(clients), "-q"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
     m = re.findall(r"GET: ([\d.]+) requests per second", out.replace("\r", "\n"))
     rps = float(m[-1]) if m else float("nan")
@@ -185,7 +186,8 @@ print(json.dumps({{"setup_s": setup, "epochs": out}}))
 
 
 # ------------------------------------------------------------------ MinIO vs LRU at 50 % capacity
-def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epochs: int = 3) -> dict[str, Any]:
+def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epochs: int = 3
+                     ) -> dict[str, Any]:
     """Random epochs through CachedImageNet on a cluster whose memory holds ``fraction`` of the dataset."""
     import redis
 

@@ -13,12 +13,15 @@ or, when the node has a GPU, the ``mixed`` (nvJPEG) decoder, then ``fn.resize`` 
 with a chunk's bytes, then :func:`~datacache.fill.fill_one` asks for each sample. Anything that is not
 a plain JPEG (PNG, CMYK, EXIF-rotated, corrupt) goes to Pillow, so the bad-input policy is unchanged.
 
-Process boundary: the pipeline is built lazily in the pool worker that uses it (the object pickles
-as its settings only), one pipeline per process and batch size.
+Process boundary: the pipeline is built lazily in the process that uses it (the object pickles as its
+settings only), one pipeline per process. A pipeline inherited over fork (the parent used the decoder
+before starting the pool) has lost its worker threads and would hang on its next run: the child
+detects the pid change, never touches (nor destroys) the inherited pipeline and builds its own.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +29,8 @@ import numpy as np
 
 from datacache.config import Variant
 from datacache.decode import decode_image, plain_jpeg_target
+
+_INHERITED: list[Any] = []  # pipelines inherited over fork: referenced forever, so never destroyed here
 
 
 def dali_available() -> str | None:
@@ -59,16 +64,20 @@ class DaliDecoder:
         self.max_batch = int(max_batch)
         self._pipes: dict[int, Any] = {}
         self._ready: dict[int, np.ndarray] = {}
+        self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch,
-                "_pipes": {}, "_ready": {}}
+                "_pipes": {}, "_ready": {}, "_pid": -1}
 
     @property
     def on_gpu(self) -> bool:
         return self.device == "gpu" or (self.device == "auto" and gpu_available())
 
     def _pipe(self) -> Any:
+        if self._pid != os.getpid():  # fork boundary (module docstring): keep, never run, the parent's
+            _INHERITED.extend(self._pipes.values())
+            self._pipes, self._pid = {}, os.getpid()
         pipe = self._pipes.get(self.max_batch)
         if pipe is not None:
             return pipe

@@ -135,7 +135,8 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
             state.quarantined.update(rep.quarantined)
         missing = missing_in(reader, store, mine)
         used, budget = node_memory(cfg, store)
-        halt.budget = halt.budget or bool(budget and missing and used >= 0.98 * budget)
+        refused = rep is not None and rep.write_errors > 0  # Redis answered OOM: the node is at its budget
+        halt.budget = halt.budget or bool(budget and missing and (refused or used >= 0.98 * budget))
         state.done = state.owned - len(missing)
         state.passes += 1
         state.status = "full" if not missing else ("budget" if halt.budget else "filling")

@@ -64,9 +64,12 @@ def test_ingest_with_dali_writes_the_same_records_as_pillow(photos: str, tmp_pat
     man = Manifest.build(photos)
     v = Variant(short_side=96)
     out = {}
-    for name, decoder in (("pillow", None), ("dali", DaliDecoder(device="cpu"))):
+    dali = DaliDecoder(device="cpu")
+    with open(os.path.join(photos, man.paths[0]), "rb") as f:
+        dali.prepare([f.read()], v)  # used in the parent before the pool forks: never reuse its pipeline
+    for name, decoder in (("pillow", None), ("dali", dali)):
         reader = ReadThrough(man, v, parse_cache_url(f"lmdb://{tmp_path}/{name}"), t1_dir=None)
-        rep = fill_missing(reader, range(len(man)), workers=1, decoder=decoder, progress=False)
+        rep = fill_missing(reader, range(len(man)), workers=2, decoder=decoder, progress=False)
         assert rep.written == len(man) and not rep.quarantined
         keys = reader.keys(range(len(man)))
         out[name] = [decode_record(b, k) for b, k in zip(reader.store.get_many(keys), keys)]
