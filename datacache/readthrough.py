@@ -191,8 +191,6 @@ class ReadThrough:
             if buf is None:
                 miss.append(pos)
                 continue
-            if isinstance(buf, memoryview):
-                buf = bytes(buf)  # a short-lived view (LMDB buffers=True): own it
             rec = decode_record(buf, key)
             if rec is None or rec[1] != labels[pos]:
                 invalid.add(pos)

@@ -89,7 +89,7 @@ def _read_chunk(reader: ReadThrough, indices: Sequence[int]) -> tuple[list[Any],
     return datas, int(src.stats().get("bytes_read", 0)) - before
 
 
-Chunk = tuple[list[Result], int, int | None, int]  # (results, bytes read, written by the worker, write errors)
+Chunk = tuple[list[Result], int, int | None, int]  # results, bytes read, written by the worker, write errors
 
 
 def _decode_chunk(indices: Sequence[int], datas: list[Any], nbytes: int) -> Chunk:
@@ -267,7 +267,8 @@ def warm_cache(source: str, cache: str | None = None, *, workers: int = 2, short
     reader = ReadThrough(man, variant, spec, t1_dir=t1_dir, t1_max_bytes=t1_max_bytes,
                          storage_options=storage_options)
     # a lone remote tier is written directly (synchronous, acknowledged writes from the pool workers)
-    direct = spec.tiers[0].open() if len(spec.tiers) == 1 and spec.tiers[0].scheme.startswith("redis") else None
+    lone_remote = len(spec.tiers) == 1 and spec.tiers[0].scheme.startswith("redis")
+    direct = spec.tiers[0].open() if lone_remote else None
     rep = fill_missing(reader, range(len(man)), workers=workers, progress=progress, store=direct)
     flush = getattr(reader.store, "flush", None)
     if flush is not None:

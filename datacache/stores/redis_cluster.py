@@ -46,6 +46,7 @@ from datacache.stores.redis_common import (
     split_userinfo,
 )
 from datacache.stores.redis_store import server_info
+from datacache.stores.resp import pipelined_get
 
 NSLOTS = 16384
 _REFRESH_EVERY_S = 0.5
@@ -172,7 +173,7 @@ class RedisClusterStore(BaseStore):
     # ------------------------------------------------------------ fan-out
     def _fan_out(self, keys: Sequence[bytes], op: Callable[[Any, list[int]], list[Any]], kind: str,
                  miss: Any) -> list[Any]:
-        """Run ``op(pipeline, positions)`` once per master for its keys, in parallel; a master that fails
+        """Run ``op(client, positions)`` once per master for its keys, in parallel; a master that fails
         gives ``miss`` for its keys (counted, slot map refreshed in the background)."""
         self._ensure()
         assert self._slots is not None
@@ -188,8 +189,7 @@ class RedisClusterStore(BaseStore):
 
         def one(node: int, pos: list[int]) -> tuple[list[int], list[Any] | BaseException]:
             try:
-                pipe = self.client(nodes[node]).pipeline(transaction=False)
-                return pos, op(pipe, pos)
+                return pos, op(self.client(nodes[node]), pos)
             except Exception as e:  # a dead or unreachable master: its keys are misses
                 return pos, e
 
@@ -215,15 +215,16 @@ class RedisClusterStore(BaseStore):
         return out
 
     def _get_many(self, keys: list[bytes]) -> list[Value | None]:
-        def op(pipe: Any, pos: list[int]) -> list[Any]:
-            for p in pos:
-                pipe.get(keys[p])
-            return pipe.execute(raise_on_error=False)
+        mean = self._mean_value or self._value_hint
+
+        def op(client: Any, pos: list[int]) -> list[Any]:  # replies straight into one buffer per node
+            return pipelined_get(client, [keys[p] for p in pos], int(len(pos) * mean))
 
         return self._fan_out(keys, op, "read", None)
 
     def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
-        def op(pipe: Any, pos: list[int]) -> list[Any]:
+        def op(client: Any, pos: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
             for p in pos:
                 pipe.set(items[p][0], items[p][1], nx=not overwrite)
             return pipe.execute(raise_on_error=False)
@@ -232,7 +233,8 @@ class RedisClusterStore(BaseStore):
         return sum(1 for r in got if r is True)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
-        def op(pipe: Any, pos: list[int]) -> list[Any]:
+        def op(client: Any, pos: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
             for p in pos:
                 pipe.exists(keys[p])
             return pipe.execute(raise_on_error=False)

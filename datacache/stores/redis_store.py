@@ -1,7 +1,8 @@
 """``redis://`` and ``rediss://``: one Redis server as a sample store (redis-py, the ``[redis]`` extra).
 
-* ``get_many``: one ``MGET`` per chunk; chunks are capped at ``fetch_bytes`` of expected reply
-  (2 MiB by default, :mod:`datacache.stores.base`), so a batch of 256 x 77 KB samples is ~10
+* ``get_many``: one pipeline of ``GET``s per chunk, its replies received into one buffer and returned
+  as zero-copy views (:mod:`datacache.stores.resp`); chunks are capped at ``fetch_bytes`` of expected
+  reply (2 MiB by default, :mod:`datacache.stores.base`), so a batch of 256 x 77 KB samples is ~10
   round trips of ~2 MB, never one 20 MB reply that stalls the socket.
 * ``put_many``: ``SET key value NX`` (``SET`` when ``overwrite``) in one non-transactional pipeline
   per call. A server at ``maxmemory`` with ``noeviction`` answers ``OOM`` per command: those writes
@@ -30,6 +31,7 @@ from datacache.stores.redis_common import (
     parse_hostport,
     split_userinfo,
 )
+from datacache.stores.resp import pipelined_get
 
 
 def server_info(client: Any) -> dict[str, Any]:
@@ -80,8 +82,16 @@ class RedisStore(BaseStore):
     def _advice(self, exc: BaseException) -> str:
         return advice(exc, self.url) or super()._advice(exc)
 
+    def expected_bytes(self, n: int) -> int:
+        """Reply bytes expected for ``n`` values (running mean, else the hint): sizes the read buffer."""
+        return int(n * (self._mean_value or self._value_hint))
+
     def _get_many(self, keys: list[bytes]) -> list[Value | None]:
-        return list(self.client().mget(keys))
+        got = pipelined_get(self.client(), keys, self.expected_bytes(len(keys)))
+        errors = [r for r in got if isinstance(r, Exception)]
+        if errors:  # per-key errors (e.g. a LOADING server): those keys are misses
+            self._partial_failure("read", errors[0], len(errors))
+        return [None if isinstance(r, Exception) else r for r in got]
 
     def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
         pipe = self.client().pipeline(transaction=False)
