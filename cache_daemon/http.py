@@ -30,35 +30,28 @@ def make_metrics(daemon: Any) -> Any:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+    per_dataset = [  # (metric, kind, help, field of DatasetState.as_json())
+        ("datacache_daemon_fill_ratio", "gauge", "cached / owned samples", "fill"),
+        ("datacache_daemon_owned_samples", "gauge", "samples this node owns", "owned"),
+        ("datacache_daemon_cached_samples", "gauge", "owned samples cached or known bad", "done"),
+        ("datacache_daemon_fill_rate", "gauge", "samples/s of the last pass", "rate"),
+        ("datacache_daemon_decoded", "counter", "samples decoded and written", "decoded"),
+        ("datacache_daemon_source_bytes", "counter", "bytes read from the source", "bytes_read"),
+        ("datacache_daemon_quarantined_files", "gauge", "undecodable files", "quarantined_count"),
+    ]
+
     class Collector:
         def collect(self) -> Any:
             states = daemon.snapshot()
-            fill = GaugeMetricFamily("datacache_daemon_fill_ratio", "cached / owned samples",
-                                     labels=["dataset", "variant"])
-            owned = GaugeMetricFamily("datacache_daemon_owned_samples", "samples this node owns",
-                                      labels=["dataset", "variant"])
-            done = GaugeMetricFamily("datacache_daemon_cached_samples", "owned samples cached or known bad",
-                                     labels=["dataset", "variant"])
-            rate = GaugeMetricFamily("datacache_daemon_fill_rate", "samples/s of the last pass",
-                                     labels=["dataset", "variant"])
-            decoded = CounterMetricFamily("datacache_daemon_decoded", "samples decoded and written",
-                                          labels=["dataset", "variant"])
-            nbytes = CounterMetricFamily("datacache_daemon_source_bytes", "bytes read from the source",
-                                         labels=["dataset", "variant"])
-            bad = GaugeMetricFamily("datacache_daemon_quarantined_files", "files that could not be decoded",
-                                    labels=["dataset", "variant"])
-            for s in states:
-                lab = [s["source"], s["variant"]]
-                fill.add_metric(lab, s["fill"])
-                owned.add_metric(lab, s["owned"])
-                done.add_metric(lab, s["done"])
-                rate.add_metric(lab, s["rate"])
-                decoded.add_metric(lab, s["decoded"])
-                nbytes.add_metric(lab, s["bytes_read"])
-                bad.add_metric(lab, s["quarantined_count"])
+            for name, kind, doc, key in per_dataset:
+                family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                    name, doc, labels=["dataset", "variant"])
+                for s in states:
+                    family.add_metric([s["source"], s["variant"]], s[key])
+                yield family
             up = GaugeMetricFamily("datacache_daemon_store_up", "1 when the cache store answers")
             up.add_metric([], 1.0 if daemon.store_health()["ok"] else 0.0)
-            yield from (fill, owned, done, rate, decoded, nbytes, bad, up)
+            yield up
 
     registry = CollectorRegistry()
     registry.register(Collector())

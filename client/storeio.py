@@ -1,4 +1,4 @@
-"""Buffer helpers of the client: owning store buffers and the zero-copy CHW tensor view."""
+"""Tensor helper of the client: the zero-copy CHW tensor view of a record's pixels."""
 
 from __future__ import annotations
 
@@ -8,26 +8,6 @@ from typing import Any
 import numpy as np
 
 _readonly_warning_silenced = False
-
-
-def own_values(bufs: list[Any]) -> list[Any]:
-    """Make store values safe to keep: ``bytes`` are kept as they are (zero copy: the tensors
-    hold a reference). A ``memoryview`` (LMDB's zero-copy read, valid only until the next read
-    on that store) is copied once into a per-batch arena, one allocation for the batch; the
-    returned tensors are views of the arena and keep it alive."""
-    views = [i for i, b in enumerate(bufs) if isinstance(b, memoryview)]
-    if not views:
-        return bufs
-    total = sum(bufs[i].nbytes for i in views)
-    arena = np.empty(total, dtype=np.uint8)
-    out = list(bufs)
-    off = 0
-    for i in views:
-        n = bufs[i].nbytes
-        arena[off:off + n] = np.frombuffer(bufs[i], dtype=np.uint8)  # the one copy of a hit
-        out[i] = memoryview(arena[off:off + n])
-        off += n
-    return out
 
 
 def to_chw_tensor(pixels: np.ndarray) -> Any:
