@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -83,3 +84,42 @@ def test_master_killed_mid_epoch_then_restarted_empty(fresh_cluster, imagefolder
     assert int(cli(victim.port, "dbsize")) == len(share)  # ... and refills it
     warm = epoch_in_new_process(root, url)  # a second run on a warm cluster: 0 decodes
     assert warm["decoded"] == 0 and warm["hits"] == n and warm["hit_ratio"] == 1.0
+
+
+def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_cluster) -> None:
+    from cache_daemon.config import DaemonConfig
+    from cache_daemon.ownership import owned_mask
+    from datacache.stores import open_store
+
+    s = open_store(fresh_cluster.url)
+    keys = [b"dc:0123456789abcdef:t:%d" % i for i in range(300)]
+    assert s.put_many([(k, b"v" * 3000) for k in keys]) == 300
+    a, b = fresh_cluster.masters[0], fresh_cluster.masters[1]
+    cfg_a = DaemonConfig(cache=fresh_cluster.url, redis_node=a.addr)
+    cfg_b = DaemonConfig(cache=fresh_cluster.url, redis_node=b.addr)
+    mine_a, mine_b = owned_mask(cfg_a, s, keys), owned_mask(cfg_b, s, keys)
+    before = s.master_of(keys)
+    ids = {m.addr: cli(m.port, "cluster", "myid") for m in (a, b)}
+    out = subprocess.run(["redis-cli", "--cluster", "reshard", a.addr, "--cluster-from", ids[a.addr],
+                          "--cluster-to", ids[b.addr], "--cluster-slots", "3000", "--cluster-yes"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # the truth after the move, asked of the servers themselves (not of the store's slot map)
+    moved = [k for k, o in zip(keys, before)
+             if o == a.addr and cli(b.port, "cluster", "countkeysinslot",
+                                    cli(b.port, "cluster", "keyslot", k.decode())) != "0"]
+    assert moved
+    got = s.get_many(keys)  # the store still routes the moved keys to a: MOVED -> misses, no exception
+    missed = [k for k, g in zip(keys, got) if g is None]
+    # (later byte-capped chunks of the same call may already use the refreshed map)
+    assert missed and set(missed) <= set(moved) and s.counters()["unavailable"] == len(missed)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(g is None for g in s.get_many(keys)):
+        time.sleep(0.1)  # the background slot refresh catches up
+    assert all(g == b"v" * 3000 for g in s.get_many(keys))
+    # ownership follows the slots: the moved samples now belong to b's daemon, still exactly one owner
+    new_a, new_b = owned_mask(cfg_a, s, keys), owned_mask(cfg_b, s, keys)
+    idx = {k: i for i, k in enumerate(keys)}
+    for k in moved:
+        assert mine_a[idx[k]] and not new_a[idx[k]] and new_b[idx[k]] and not mine_b[idx[k]]
+    assert int((new_a & new_b).sum()) == 0
