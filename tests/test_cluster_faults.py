@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch
 from torch.utils.data import DataLoader

@@ -186,3 +186,46 @@ def test_maxmemory_below_the_dataset(tmp_path, imagefolder_factory, policy: str,
             assert "maxmemory" in caplog.text and "noeviction" in caplog.text  # one warning saying why
     finally:
         srv.stop()
+
+
+def test_rediss_tls_end_to_end(tmp_path, small_imagefolder: str) -> None:
+    """rediss:// against a real TLS listener (a self-signed CA made with openssl here)."""
+    import shutil
+    import subprocess
+
+    from client.dataset import CachedImageNet
+    from datacache.redis_local import RedisServer, free_port, server_args
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=datacache-test-ca")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj",
+        "/CN=127.0.0.1")
+    ssl("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "srv.pem", "-days", "2")
+    port, tls_port = free_port(), free_port()
+    args = [*server_args(port), "--tls-port", str(tls_port), "--tls-cert-file", str(d / "srv.pem"),
+            "--tls-key-file", str(d / "srv.key"), "--tls-ca-cert-file", str(d / "ca.pem"),
+            "--tls-auth-clients", "no"]
+    srv = RedisServer(port, str(d / "run"), args).start()
+    try:
+        url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={d / 'ca.pem'}"
+        ds = CachedImageNet(small_imagefolder, url, short_side=32, t1_dir=None)
+        first = ds.__getitems__(list(range(8)))
+        assert ds.flush(10) and ds.stats()["decoded"] == 8
+        again = ds.__getitems__(list(range(8)))
+        assert ds.stats()["hits"] == 8 and all(a[0].equal(b[0]) for a, b in zip(first, again))
+        assert int(cli(port, "dbsize")) == 8  # the same server, written over TLS
+        # a client that does not trust the server's CA is refused: misses, never a crash
+        untrusted = f"rediss://127.0.0.1:{tls_port}/0"
+        bad = CachedImageNet(small_imagefolder, untrusted, short_side=32, t1_dir=None)
+        assert len(bad.__getitems__([0, 1])) == 2 and bad.stats()["t2"]["unavailable"] >= 2
+    finally:
+        srv.stop()
