@@ -267,8 +267,8 @@ def warm_cache(source: str, cache: str | None = None, *, workers: int = 2, short
     reader = ReadThrough(man, variant, spec, t1_dir=t1_dir, t1_max_bytes=t1_max_bytes,
                          storage_options=storage_options)
     # a lone remote tier is written directly (synchronous, acknowledged writes from the pool workers)
-    lone_remote = len(spec.tiers) == 1 and spec.tiers[0].scheme.startswith("redis")
-    direct = spec.tiers[0].open() if lone_remote else None
+    lone = spec.tiers[0].open() if len(spec.tiers) == 1 else None
+    direct = lone if getattr(lone, "remote", False) else None
     rep = fill_missing(reader, range(len(man)), workers=workers, progress=progress, store=direct)
     flush = getattr(reader.store, "flush", None)
     if flush is not None:
