@@ -34,6 +34,7 @@ Stores are picklable: only the configuration travels; handles and counters are p
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -85,12 +86,14 @@ class BaseStore:
     def _reset_process_state(self) -> None:
         """Counters and handles of *this* process (called at creation, after unpickling)."""
         self._counters: dict[str, int] = dict.fromkeys(BASE_COUNTERS, 0)
+        # a TieredStore's write-back thread and the reading thread count into the same store
+        self._count_lock = threading.Lock()
         self._warned: set[str] = set()
         self._mean_value = 0.0
 
     def _process_attrs(self) -> tuple[str, ...]:
         """Attributes that must not cross a process boundary (subclasses extend)."""
-        return ("_counters", "_warned", "_mean_value")
+        return ("_counters", "_warned", "_mean_value", "_count_lock")
 
     def __getstate__(self) -> dict[str, Any]:
         skip = set(self._process_attrs())
@@ -102,7 +105,8 @@ class BaseStore:
 
     # ------------------------------------------------------------ the policy
     def _count(self, name: str, n: int = 1) -> None:
-        self._counters[name] = self._counters.get(name, 0) + n
+        with self._count_lock:
+            self._counters[name] = self._counters.get(name, 0) + n
 
     def _is_unavailable(self, exc: BaseException) -> bool:
         """Whether ``exc`` means the store cannot be reached (network stores specialise)."""
