@@ -176,7 +176,10 @@ def _to_rgb(im: Image.Image) -> Image.Image:
 
 
 def _torch_shrink(im: Image.Image, size: tuple[int, int]) -> np.ndarray | None:
-    """Bilinear antialiased shrink of an RGB image with torch, if torch is already loaded; else None."""
+    """Bilinear antialiased shrink of an RGB image with torch, if torch is already loaded; else None.
+
+    Fork hazard: torch's intra-op (OpenMP) pool does not survive a fork; a forked process that runs
+    this must use one intra-op thread (DataLoader workers do; :mod:`datacache.warm`'s pool sets it)."""
     torch = sys.modules.get("torch")
     if torch is None or im.mode != "RGB" or size[0] > im.size[0] or size[1] > im.size[1]:
         return None

@@ -27,6 +27,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +72,12 @@ def _init_worker(reader: ReadThrough, decoder: Decoder | None, store: Any) -> No
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent drains; a worker just dies with the pool
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        # Fork boundary: a parent that ran torch ops has a live OpenMP pool that the child inherited
+        # without its threads; the next parallel region in the child (decode's torch shrink) would hang.
+        # One intra-op thread per worker (what DataLoader workers do) never enters that pool.
+        torch.set_num_threads(1)
     _W["reader"] = reader
     _W["decoder"] = decoder
     _W["store"] = store  # a remote store the worker writes to itself (its own connection), or None
