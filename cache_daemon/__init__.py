@@ -1,1 +1,2 @@
-"""Per-node cache daemon (ingest ahead of jobs). Thin for now: see `datacache warm`."""
+"""Per-node cache daemon: ingest (ownership -> read -> decode pool -> batched writes), fill reports,
+/health /status /metrics over HTTP, TOML config. Run ``datacache-daemon --help``."""

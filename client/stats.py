@@ -70,12 +70,21 @@ class SharedCounters:
         self.table.zero_()
 
 
-def format_stats(c: Mapping[str, int], *, quarantined: int, processes: int, store: str) -> dict[str, Any]:
+def format_stats(c: Mapping[str, int], *, quarantined: int, processes: int, store: str,
+                 tier_urls: Sequence[str] = ()) -> dict[str, Any]:
     """Turn CachedImageNet's counter totals into the user-facing ``ds.stats()`` dict."""
     from datacache.decode import backend_name
 
     lookups = c["t2_hits"] + c["t2_misses"]
     t1_total = c["t1_hits"] + c["t1_misses"]
+    tiers = []
+    for i, url in enumerate(tier_urls):
+        if len(tier_urls) == 1:  # one tier: its figures are the cache's
+            hits, misses, nbytes = c["t2_hits"], c["t2_misses"], c["t2_bytes"]
+        else:
+            hits, misses, nbytes = c[f"tier{i}_hits"], c[f"tier{i}_misses"], c[f"tier{i}_bytes"]
+        tiers.append({"url": url, "hits": hits, "misses": misses, "bytes": nbytes,
+                      "hit_ratio": hits / (hits + misses) if hits + misses else None})
     return {
         "samples": c["samples"],
         "hits": c["t2_hits"],
@@ -86,9 +95,11 @@ def format_stats(c: Mapping[str, int], *, quarantined: int, processes: int, stor
         "substituted": c["substituted"],
         "quarantined": quarantined,
         "bytes_read": c["t0_bytes"],
+        "tiers": tiers,
         "t2": {"hits": c["t2_hits"], "misses": c["t2_misses"], "invalid_rewritten": c["t2_invalid"],
                "known_bad": c["t2_known_bad"], "written": c["t2_written"], "bytes": c["t2_bytes"],
-               "read_errors": c["t2_read_errors"], "write_errors": c["t2_write_errors"]},
+               "read_errors": c["t2_read_errors"], "write_errors": c["t2_write_errors"],
+               "unavailable": c["t2_unavailable"], "writeback_dropped": c.get("writeback_dropped", 0)},
         "t1": {"hits": c["t1_hits"], "misses": c["t1_misses"],
                "hit_ratio": c["t1_hits"] / t1_total if t1_total else None},
         "t0": {"bytes_read": c["t0_bytes"], "retries": c["t0_retries"], "errors": c["t0_errors"]},

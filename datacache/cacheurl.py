@@ -16,9 +16,11 @@ Grammar::
 * options are typed (:class:`OptionSpec`): ``int``, ``bytes`` (an int or ``512MiB``, ``4GiB``,
   ``2G`` ...), ``bool`` (``1/0/true/false/yes/no/on/off``) or ``str``. An unknown, repeated or
   malformed option is a :class:`~datacache.config.ConfigError` naming it and listing the valid ones.
-* several tiers (``lmdb:///local::redis+cluster://h:7000``) are parsed tier by tier; a chain of
-  more than one tier is refused for now with a clear message (the tiered read path arrives with
-  the distributed tier).
+* several tiers (``lmdb:///local::redis+cluster://h:7000``) are parsed tier by tier, nearest
+  first, and opened as one :class:`~datacache.tiered.TieredStore` (at most :data:`MAX_TIERS`).
+* a password in a location (``redis://user:secret@host:6379``) is kept for opening the store but
+  shown as ``***`` in :attr:`StoreSpec.url` / :attr:`CacheSpec.url` (what logs, ``repr`` and
+  ``stats()`` show); :attr:`CacheSpec.secret_url` is the full text.
 
 The result is a small frozen, picklable :class:`CacheSpec` (a tuple of :class:`StoreSpec`), which
 travels to workers instead of the string: they never re-parse.
@@ -35,12 +37,14 @@ from urllib.parse import parse_qsl, urlencode
 
 from datacache.config import ConfigError
 
-OPTION_KINDS = ("int", "bytes", "bool", "str")
+OPTION_KINDS = ("int", "float", "bytes", "bool", "str")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+MAX_TIERS = 4
+_PASSWORD_RE = re.compile(r"(^|,)([^,@/]*?):([^,@/]*)@")
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -62,13 +66,22 @@ class OptionSpec:
                               f"{', '.join(_TRUE + _FALSE)}")
         if self.kind == "str":
             return text
-        value = parse_bytes(text) if self.kind == "bytes" else _parse_int(text)
+        if self.kind == "float":
+            value: Any = _parse_float(text)
+        else:
+            value = parse_bytes(text) if self.kind == "bytes" else _parse_int(text)
         if value is None:
-            what = "a byte size such as 4294967296, 512MiB or 4GiB" if self.kind == "bytes" else "an integer"
+            what = {"bytes": "a byte size such as 4294967296, 512MiB or 4GiB", "float": "a number such as 0.5"
+                    }.get(self.kind, "an integer")
             raise ConfigError(f"{url}: option {name}={text!r} is not {what}")
         if self.minimum is not None and value < self.minimum:
             raise ConfigError(f"{url}: option {name}={value} must be >= {self.minimum}")
         return value
+
+
+def _parse_float(text: str) -> float | None:
+    t = text.strip()
+    return float(t) if re.fullmatch(r"[+-]?(\d+(\.\d*)?|\.\d+)", t) else None
 
 
 def _parse_int(text: str) -> int | None:
@@ -110,10 +123,16 @@ class StoreSpec:
     options: tuple[tuple[str, Any], ...] = ()
 
     @property
-    def url(self) -> str:
-        """Canonical URL, e.g. ``lmdb:///abs/dir?readonly=1`` (what logs and ``stats()`` show)."""
+    def secret_url(self) -> str:
+        """Canonical URL including any password (to re-open the store; never logged)."""
         query = urlencode([(k, int(v) if isinstance(v, bool) else v) for k, v in self.options])
         return f"{self.scheme}://{self.location}" + (f"?{query}" if query else "")
+
+    @property
+    def url(self) -> str:
+        """Canonical URL, e.g. ``lmdb:///abs/dir?readonly=1``, password shown as ``***`` (what logs and
+        ``stats()`` show)."""
+        return redact(self.secret_url)
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -127,21 +146,45 @@ class StoreSpec:
         return _scheme(self.scheme, self.url).factory(self)
 
 
+def redact(url: str) -> str:
+    """``redis://user:secret@h:1`` -> ``redis://user:***@h:1`` (every ``user:password@`` of a location)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    loc, q, query = rest.partition("?")
+    return scheme + sep + _PASSWORD_RE.sub(r"\1\2:***@", loc) + q + query
+
+
 @dataclass(frozen=True)
 class CacheSpec:
-    """A parsed cache URL: the URL as given and its tiers (one, for now)."""
+    """A parsed cache URL: the URL as given and its tiers, nearest first."""
 
     given: str
     tiers: tuple[StoreSpec, ...]
 
     @property
     def store(self) -> StoreSpec:
-        """The single tier (multi-tier URLs are refused by :func:`parse_cache_url` for now)."""
+        """The nearest tier (for code that needs one location, e.g. where manifests are kept)."""
         return self.tiers[0]
 
     @property
     def url(self) -> str:
+        """Canonical URL of the chain, passwords shown as ``***``."""
         return "::".join(t.url for t in self.tiers)
+
+    @property
+    def secret_url(self) -> str:
+        return "::".join(t.secret_url for t in self.tiers)
+
+    def open(self) -> Any:
+        """The store of a one-tier local URL, else a :class:`~datacache.tiered.TieredStore` over the tiers
+        (also for a single remote tier, whose write-backs then go through the background queue)."""
+        stores = [t.open() for t in self.tiers]
+        if len(stores) == 1 and not getattr(stores[0], "remote", False):
+            return stores[0]
+        from datacache.tiered import TieredStore
+
+        return TieredStore(stores)
 
 
 _SCHEMES: dict[str, SchemeSpec] = {}
@@ -203,7 +246,7 @@ def parse_tier(text: str, *, url: str | None = None) -> StoreSpec:
     return StoreSpec(scheme, location, tuple(sorted(seen.items())))
 
 
-def parse_cache_url(url: str | CacheSpec, *, check: bool = False, max_tiers: int = 1) -> CacheSpec:
+def parse_cache_url(url: str | CacheSpec, *, check: bool = False, max_tiers: int = MAX_TIERS) -> CacheSpec:
     """Parse and validate a cache URL; ``check=True`` also runs each scheme's environment check.
 
     Raises :class:`~datacache.config.ConfigError` naming the bad part and the valid schemes/options.
@@ -217,9 +260,10 @@ def parse_cache_url(url: str | CacheSpec, *, check: bool = False, max_tiers: int
         text = url.strip()
         spec = CacheSpec(text, tuple(parse_tier(t, url=text) for t in text.split("::")))
     if len(spec.tiers) > max_tiers:
-        raise ConfigError(f"cache URL {spec.given!r} chains {len(spec.tiers)} tiers; a tiered cache "
-                          "(lmdb:///local::redis+cluster://...) arrives with the distributed tier — "
-                          "use one store for now")
+        raise ConfigError(f"cache URL {redact(spec.given)!r} chains {len(spec.tiers)} tiers; at most "
+                          f"{max_tiers} are allowed (e.g. lmdb:///local::redis+cluster://h1:7000,h2:7000)")
+    if len({t.secret_url for t in spec.tiers}) != len(spec.tiers):
+        raise ConfigError(f"cache URL {redact(spec.given)!r} names the same tier twice")
     if check:
         for t in spec.tiers:
             sch = _scheme(t.scheme, spec.given)

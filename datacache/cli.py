@@ -19,6 +19,7 @@ EPILOG = textwrap.dedent("""\
       datacache demo --source /mnt/nfs/imagenet/train --cache lmdb:///var/cache/datacache --epochs 2
       datacache warm /mnt/nfs/imagenet/train --cache lmdb:///var/cache/datacache --workers 8
       datacache stats --cache lmdb:///var/cache/datacache
+      datacache plan /mnt/nfs/imagenet/train --nodes 16 --memory-per-node 256GiB --short-side 160
 
     The default cache is lmdb://$XDG_CACHE_HOME/datacache/lmdb (~/.cache when unset).
     In Python: from datacache import CachedImageNet; ds = CachedImageNet(source, cache=...)
@@ -58,7 +59,7 @@ def _cache_url(text: str) -> str:
     from datacache.config import ConfigError
 
     try:
-        return parse_cache_url(text, check=True).url
+        return parse_cache_url(text, check=True).secret_url  # re-parsed by the command (passwords kept)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -134,7 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode processes (default: all cores)")
     w.add_argument("--short-side", type=_positive, default=160, help="cached short side in px (default 160)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.add_argument("--via-daemon", metavar="URL",
+                   help="do not decode here: register SOURCE with the cache daemons (POST URL/datasets, e.g. "
+                        "http://127.0.0.1:8470); every daemon then ingests its own share")
     _add_source_options(w)
+
+    pl = sub.add_parser(
+        "plan", help="will the dataset fit the cluster's memory, raw or re-encoded?",
+        description="Print bytes per sample and in total for raw-pixel records (with Redis's per-key cost), "
+                    "re-encoded JPEG records and the raw files, whether each fits NODES x MEMORY "
+                    "(90 %% usable), "
+                    "and the recommended encoding. Sizes come from decoding a sample of the files.",
+        epilog="example:\n  datacache plan /mnt/nfs/imagenet/train --nodes 16 --memory-per-node 256GiB "
+               "--short-side 160",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("source", metavar="SOURCE", help="dataset URL/path (ImageFolder or .txt/.csv list)")
+    pl.add_argument("--nodes", type=_positive, required=True, help="cache nodes (Redis masters)")
+    pl.add_argument("--memory-per-node", type=_byte_size, required=True, metavar="SIZE",
+                    help="memory for the cache on each node, e.g. 256GiB")
+    pl.add_argument("--short-side", type=_positive, default=160, help="cached short side in px (default 160)")
+    pl.add_argument("--sample", type=_positive, default=64,
+                    help="files decoded to measure sizes (default 64)")
+    pl.add_argument("--measure-redis", action="store_true",
+                    help="also measure the per-key cost on a throwaway redis-server (needs redis-server)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     s = sub.add_parser(
         "stats", help="show what a cache holds",
@@ -161,9 +185,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
-    from client.warm import warm_cache
     from datacache.config import default_cache_url
+    from datacache.warm import warm_cache
 
+    if args.via_daemon:
+        return _register_with_daemon(args)
     cache = args.cache or default_cache_url()
     rep = warm_cache(args.source, cache, workers=args.workers, short_side=args.short_side,
                      revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir), t1_max_bytes=args.t1_max_bytes,
@@ -179,11 +205,44 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_with_daemon(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = args.via_daemon.rstrip("/") + "/datasets"
+    body = json.dumps({"source": args.source, "short_side": args.short_side,
+                       "revalidate": args.revalidate}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            reply = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise OSError(f"{url}: the daemon refused the dataset ({e.code}: {e.read().decode(errors='replace')})"
+                      ) from None
+    except urllib.error.URLError as e:
+        raise OSError(f"{url}: no daemon answers there ({e.reason}); is datacache-daemon running?") from None
+    print(f"registered {reply['registered']} with the daemons at {args.via_daemon}; follow the fill at "
+          f"{args.via_daemon.rstrip('/')}/status (CachedImageNet.wait_warm() blocks until it is full)")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from datacache.plan import format_plan, plan
+
+    p = plan(args.source, nodes=args.nodes, memory_per_node=args.memory_per_node, short_side=args.short_side,
+             sample=args.sample, measure_redis=args.measure_redis)
+    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    return 0
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from client.storeio import manifest_dir_for, shared_store
     from datacache.cacheurl import parse_cache_url
     from datacache.config import default_cache_url
     from datacache.manifest import Manifest, ManifestError
+    from datacache.readthrough import manifest_dir_for, shared_store
 
     cache = args.cache or default_cache_url()
     spec = parse_cache_url(cache).store
@@ -220,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits with code 2 on usage errors
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"demo": _cmd_demo, "warm": _cmd_warm, "stats": _cmd_stats}
+    handlers = {"demo": _cmd_demo, "warm": _cmd_warm, "plan": _cmd_plan, "stats": _cmd_stats}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

@@ -7,7 +7,12 @@ Geometry
     ``short_side``). Sizes are rounded to the nearest pixel. EXIF orientation is applied
     first (orientation 6 = rotated 90°: H and W swap), exactly like ``ImageOps.exif_transpose``.
     Resampling uses ``variant.resample`` (default bilinear; Pillow's resize is antialiased
-    when shrinking, with ``reducing_gap=3`` which is visually identical and faster).
+    when shrinking, with ``reducing_gap=3`` which is visually identical and faster). In a process
+    that has torch loaded already (DataLoader workers, the trainer) a bilinear *shrink* of an RGB
+    image runs in torch's uint8 antialiased bilinear kernel instead (``F.interpolate(...,
+    antialias=True)``, the same filter: within 1 grey level of Pillow's, PSNR > 60 dB, tested) --
+    about twice as fast as stock Pillow's, which matters on the cold path. Processes without torch
+    (``datacache warm``, the daemon) never import it for this.
 
 JPEG fast path
     ``Image.draft()`` asks libjpeg for DCT-domain downscaling by 1/2, 1/4 or 1/8; Pillow picks
@@ -47,6 +52,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -122,6 +128,23 @@ def target_size(w: int, h: int, variant: Variant) -> tuple[int, int]:
     return max(1, round(w * scale)), max(1, round(h * scale))
 
 
+def plain_jpeg_target(data: bytes, variant: Variant) -> tuple[int, int] | None:
+    """Target (width, height) of a *plain* JPEG -- 8-bit RGB/YCbCr/gray, no EXIF rotation, within the
+    pixel limit -- that another decoder (DALI) may decode to the same variant; None for anything else
+    (CMYK, rotated, PNG, corrupt headers...), which :func:`decode_image` handles. Parses the header only."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format != "JPEG" or im.mode not in ("RGB", "L") or im.width * im.height > JPEG_MAX_PIXELS:
+                return None
+            if im.getexif().get(0x0112, 1) != 1:
+                return None
+            return target_size(im.width, im.height, variant)
+    except Exception:  # unreadable header: let decode_image produce the error message
+        return None
+
+
 def _to_rgb(im: Image.Image) -> Image.Image:
     """Convert any Pillow mode to 8-bit RGB (see "Colour modes")."""
     mode = im.mode
@@ -152,8 +175,28 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+def _torch_shrink(im: Image.Image, size: tuple[int, int]) -> np.ndarray | None:
+    """Bilinear antialiased shrink of an RGB image with torch, if torch is already loaded; else None.
+
+    Fork hazard: torch's intra-op (OpenMP) pool does not survive a fork; a forked process that runs
+    this must use one intra-op thread (DataLoader workers do; :mod:`datacache.warm`'s pool sets it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or im.mode != "RGB" or size[0] > im.size[0] or size[1] > im.size[1]:
+        return None
+    src = np.asarray(im)
+    if not src.flags.writeable:
+        src = src.copy()
+    t = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
+    out = torch.nn.functional.interpolate(t, size=(size[1], size[0]), mode="bilinear", antialias=True,
+                                          align_corners=False)
+    return out[0].permute(1, 2, 0).contiguous().numpy()
+
+
 def _finish(im: Image.Image, size: tuple[int, int], variant: Variant) -> np.ndarray:
     if im.size != size:
+        fast = _torch_shrink(im, size) if variant.resample == "bilinear" else None
+        if fast is not None:
+            return fast
         im = im.resize(size, _RESAMPLE[variant.resample], reducing_gap=3.0)
     arr = np.asarray(im)
     if not (arr.flags.c_contiguous and arr.flags.writeable):

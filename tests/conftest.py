@@ -22,6 +22,8 @@ import pytest
 
 from datacache.synth import make_imagefolder, write_bad_inputs
 
+pytest_plugins = ["tests.redis_utils"]  # real redis-server fixtures: redis_url, cluster_url, fresh_cluster
+
 
 @pytest.fixture(scope="session")
 def small_imagefolder(tmp_path_factory: pytest.TempPathFactory) -> str:

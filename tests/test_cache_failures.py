@@ -172,7 +172,7 @@ def test_full_disk_or_map_serves_every_sample(small_imagefolder: str, tmp_path, 
         st2 = ds.stats()
         assert st2["hits"] == st["t2"]["written"] and st2["decoded"] == len(ds) - st["t2"]["written"]
         assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first, second))
-        ds._store.close()
+        ds.store.close()
 
 
 def test_unreadable_store_and_short_reads_inside_dataloader_workers(tree: str, tmp_path) -> None:

@@ -40,7 +40,15 @@ def test_parse_normalises_and_types_options(tmp_path, monkeypatch: pytest.Monkey
     ("lmdb:///c?readonly=1&readonly=0", ["given twice"]),
     ("lmdb:///c?max_readers=0", ["max_readers=0 must be >= 1"]),
     ("memory://?fetch_bytes=-3", ["fetch_bytes"]),
-    ("lmdb:///a::lmdb:///b", ["chains 2 tiers", "distributed tier"]),
+    ("lmdb:///a::lmdb:///a", ["same tier twice"]),
+    ("::".join(f"lmdb:///t{i}" for i in range(5)), ["chains 5 tiers", "at most 4"]),
+    ("redis://127.0.0.1", ["not host:port"]),
+    ("redis://127.0.0.1:6379/zero", ["database 'zero' must be a number"]),
+    ("redis+cluster://h1:7000,h2", ["'h2' is not host:port"]),
+    ("redis+cluster://h1:7000/0", ["no database number"]),
+    ("redis://user@h:1", ["user:password@"]),
+    ("redis://h:1?socket_timeout=soon", ["socket_timeout='soon'", "a number"]),
+    ("redis://h:1?tls=1", ["unknown option 'tls'", "ssl_ca_certs"]),
     ("lmdb:///a::bogus://b", ["unknown scheme 'bogus'"]),
     ("", ["non-empty"]),
 ])
@@ -54,7 +62,7 @@ def test_bad_urls_name_the_bad_part(url: str, words: list[str]) -> None:
 def test_bad_url_fails_at_construction_not_in_a_worker(small_imagefolder: str) -> None:
     from client.dataset import CachedImageNet
 
-    with pytest.raises(ConfigError, match=r"unknown scheme 'bogus'.*valid schemes: lmdb://, memory://"):
+    with pytest.raises(ConfigError, match=r"unknown scheme 'bogus'.*valid schemes: .*lmdb://, memory://"):
         CachedImageNet(small_imagefolder, "bogus://x")
     proc = subprocess.run([sys.executable, "-m", "datacache.cli", "demo", "--cache", "bogus://x"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -85,7 +93,7 @@ def test_lmdb_cache_on_a_network_filesystem_is_refused(small_imagefolder: str, t
     """NFS cannot be mounted here, so the kernel's answer for the cache directory is replaced;
     everything else (parser, check, CachedImageNet, warm) is the real code path."""
     from client.dataset import CachedImageNet
-    from client.warm import warm_cache
+    from datacache.warm import warm_cache
 
     nfs_home = str(tmp_path / "home")
     monkeypatch.setattr(fscheck, "filesystem_type", lambda p: "nfs4" if p.startswith(nfs_home) else "ext4")

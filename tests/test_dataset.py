@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from client.dataset import CachedImageNet, DatasetError
-from client.storeio import manifest_dir_for
 from datacache import synth
 from datacache.cacheurl import OptionSpec, SchemeSpec, register_scheme
 from datacache.config import ConfigError
+from datacache.readthrough import manifest_dir_for
 from datacache.stores import MemoryStore
 
 SHORT = 48
@@ -81,7 +81,7 @@ def test_pickles_cheaply_without_handles(folder: str, tmp_path) -> None:
     blob = pickle.dumps(ds)
     assert len(blob) < 40_000  # manifest + config + two tiny counter tensors, no env handles
     clone = pickle.loads(blob)
-    assert clone._store is None and clone._source is None
+    assert clone.reader._store is None and clone.reader._source is None
     assert torch.equal(clone[0][0], ds[0][0])
 
 

@@ -224,3 +224,24 @@ def test_simplejpeg_pixels_equal_pillows(small_imagefolder: str) -> None:
         sj = simplejpeg.decode_jpeg(data, colorspace="RGB")
         pil = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
         assert sj.shape == pil.shape and np.array_equal(sj, pil), path
+
+
+def test_torch_shrink_matches_pillow_bilinear(small_imagefolder: str) -> None:
+    """With torch loaded (as in a DataLoader worker) the variant's bilinear shrink runs in torch: same size,
+    within one grey level of Pillow's antialiased bilinear resize (the reference)."""
+    import torch  # noqa: F401  (loaded: decode_image takes the torch path)
+
+    from datacache.decode import _torch_shrink
+
+    for rel in ("c000/00000.JPEG", "c001/00003.JPEG", "c002/00005.JPEG"):
+        with Image.open(io.BytesIO(read(small_imagefolder, rel))) as im:
+            rgb = im.convert("RGB")
+        for size in ((150, 113), (61, 46)):
+            ref = np.asarray(rgb.resize(size, Image.Resampling.BILINEAR, reducing_gap=None)).astype(int)
+            got = _torch_shrink(rgb, size)
+            assert got is not None and got.shape == ref.shape and got.dtype == np.uint8
+            assert np.abs(got.astype(int) - ref).max() <= 2
+            mse = ((got.astype(float) - ref) ** 2).mean()
+            assert 10 * np.log10(255**2 / max(mse, 1e-12)) > 45
+    assert _torch_shrink(rgb.convert("L"), (10, 10)) is None  # not RGB: Pillow
+    assert _torch_shrink(rgb, (rgb.width * 2, rgb.height * 2)) is None  # an enlargement: Pillow

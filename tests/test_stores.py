@@ -25,8 +25,8 @@ def test_open_store_schemes(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (s.map_size, s.max_readers, s.url) == (65536, 200, f"lmdb://{tmp_path}/a")
     monkeypatch.chdir(tmp_path)
     assert open_store("lmdb://rel/dir").url == f"lmdb://{tmp_path}/rel/dir"  # relative -> absolute
-    with pytest.raises(ConfigError, match=r"unknown scheme 'redis'.*lmdb://, memory://"):
-        open_store("redis://localhost:6379")
+    with pytest.raises(ConfigError, match=r"unknown scheme 'mongodb'.*lmdb://, memory://, redis://"):
+        open_store("mongodb://localhost:6379")
     with pytest.raises(ConfigError, match=r"no scheme.*did you mean lmdb:///just/a/path"):
         open_store("/just/a/path")
     with pytest.raises(ConfigError, match=r"unknown option 'mapsize'.*map_size"):

@@ -9,7 +9,12 @@ parser) and opens the store of its scheme:
   ``sync``, ``readahead``. Parsing with ``check=True`` refuses a directory on a network
   filesystem (:func:`datacache.fscheck.require_local_disk`).
 
-Redis schemes (a later issue) register themselves with :func:`datacache.cacheurl.register_scheme`.
+* ``redis://[user:pass@]host:port[/db]``, ``rediss://`` (TLS) and
+  ``redis+cluster://[user:pass@]h1:p1[,h2:p2...]`` - Redis and Redis Cluster (the ``[redis]`` extra,
+  imported only when such a URL is opened); options in :mod:`datacache.stores.redis_common`.
+  Parsing with ``check=True`` PINGs the server: a wrong password / ACL user is a ConfigError.
+
+Several tiers chained with ``::`` open as one :class:`~datacache.tiered.TieredStore`.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from datacache.cacheurl import (
     parse_cache_url,
     register_scheme,
 )
+from datacache.config import ConfigError
 from datacache.fscheck import require_local_disk
 from datacache.stores.base import BaseStore, Store
 from datacache.stores.lmdb_store import LMDBStore
 from datacache.stores.memory import MemoryStore
+from datacache.stores.redis_common import COMMON_OPTIONS, cluster_location, standalone_location
 
 __all__ = ["BaseStore", "LMDBStore", "MemoryStore", "Store", "open_store"]
 
@@ -57,8 +64,58 @@ register_scheme(SchemeSpec(
              "readahead": OptionSpec("bool", "OS readahead on the map")}))
 
 
+def _require_redis(url: str) -> None:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"cache {url}: the redis package is not installed; pip install 'datacache[redis]'"
+                          ) from None
+
+
+def _open_redis(spec: StoreSpec) -> Any:
+    _require_redis(spec.url)
+    from datacache.stores.redis_store import RedisStore
+
+    return RedisStore(spec)
+
+
+def _open_redis_cluster(spec: StoreSpec) -> Any:
+    _require_redis(spec.url)
+    from datacache.stores.redis_cluster import RedisClusterStore
+
+    return RedisClusterStore(spec)
+
+
+def _check_redis(spec: StoreSpec) -> None:
+    """At construction: the extra is installed and the credentials are right (a server that is down
+    only warns: lookups are misses until it is up)."""
+    from datacache.stores.redis_common import check_credentials
+
+    store = spec.open()
+    if spec.scheme == "redis+cluster":
+        host, port = store.seeds[0]
+        check_credentials(store.client(f"{host}:{port}"), spec.url)
+    else:
+        check_credentials(store.client(), spec.url)
+    store.close()
+
+
+register_scheme(SchemeSpec("redis", _open_redis, location=standalone_location, check=_check_redis,
+                           example="redis://127.0.0.1:6379/0", options=dict(COMMON_OPTIONS)))
+register_scheme(SchemeSpec("rediss", _open_redis, location=standalone_location, check=_check_redis,
+                           example="rediss://user:pass@cache.example:6380/0", options=dict(COMMON_OPTIONS)))
+register_scheme(SchemeSpec(
+    "redis+cluster", _open_redis_cluster, location=cluster_location, check=_check_redis,
+    example="redis+cluster://10.0.0.1:7000,10.0.0.2:7000",
+    options={**COMMON_OPTIONS, "tls": OptionSpec("bool", "connect to the masters over TLS")}))
+
+
 def open_store(url: str | CacheSpec | StoreSpec) -> Any:
-    """Open the (single-tier) store named by ``url``; a bad URL raises ConfigError naming the part."""
+    """Open the store named by ``url``: one tier as itself (synchronous writes, also for Redis), a ``::``
+    chain as a :class:`~datacache.tiered.TieredStore`. A bad URL raises ConfigError naming the part.
+    (The read path opens with :meth:`CacheSpec.open`, which also puts a lone remote tier behind the
+    background write-back queue.)"""
     if isinstance(url, StoreSpec):
         return url.open()
-    return parse_cache_url(url).store.open()
+    spec = url if isinstance(url, CacheSpec) else parse_cache_url(url)
+    return spec.tiers[0].open() if len(spec.tiers) == 1 else spec.open()

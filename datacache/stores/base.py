@@ -6,7 +6,11 @@ needs a ``try``:
 
 * ``get_many(keys) -> [value | None]`` batched read. A store that cannot be read (cannot be
   opened, I/O error, server down) yields **misses** for the whole call, counts
-  ``read_errors`` and logs one warning per store and process.
+  ``read_errors`` and logs one warning per store and process. A failure that means the store
+  cannot be *reached* (connection refused or reset, timeout, a cluster that is down or whose slot
+  map moved: :meth:`BaseStore._is_unavailable`) also counts ``unavailable``. A network store
+  whose call fails only for part of the keys (one cluster node down) reports exactly those keys
+  as misses through :meth:`BaseStore._partial_failure`.
 * ``put_many(items, overwrite=False) -> int`` batched write with ``SET NX`` semantics unless
   ``overwrite``. A write that fails (read-only store or filesystem, permissions, a full disk,
   a map that cannot grow, a server refusing writes) is **skipped**: it returns 0, counts
@@ -30,13 +34,14 @@ Stores are picklable: only the configuration travels; handles and counters are p
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 log = logging.getLogger("datacache.stores")
 
 Value = bytes | memoryview
-BASE_COUNTERS = ("hits", "misses", "puts", "read_errors", "write_errors")
+BASE_COUNTERS = ("hits", "misses", "puts", "read_errors", "write_errors", "unavailable")
 
 
 @runtime_checkable
@@ -66,6 +71,7 @@ class BaseStore:
     """Failure policy, counters and byte-capped chunking shared by every store."""
 
     backend = "base"
+    remote = False  # a network store (Redis): TieredStore writes to it through its background queue
     fetch_bytes: int | None = None  # cap of one read round trip (network stores); None: one call
 
     def __init__(self, url: str, *, readonly: bool = False, fetch_bytes: int | None = None) -> None:
@@ -80,12 +86,14 @@ class BaseStore:
     def _reset_process_state(self) -> None:
         """Counters and handles of *this* process (called at creation, after unpickling)."""
         self._counters: dict[str, int] = dict.fromkeys(BASE_COUNTERS, 0)
+        # a TieredStore's write-back thread and the reading thread count into the same store
+        self._count_lock = threading.Lock()
         self._warned: set[str] = set()
         self._mean_value = 0.0
 
     def _process_attrs(self) -> tuple[str, ...]:
         """Attributes that must not cross a process boundary (subclasses extend)."""
-        return ("_counters", "_warned", "_mean_value")
+        return ("_counters", "_warned", "_mean_value", "_count_lock")
 
     def __getstate__(self) -> dict[str, Any]:
         skip = set(self._process_attrs())
@@ -97,11 +105,22 @@ class BaseStore:
 
     # ------------------------------------------------------------ the policy
     def _count(self, name: str, n: int = 1) -> None:
-        self._counters[name] = self._counters.get(name, 0) + n
+        with self._count_lock:
+            self._counters[name] = self._counters.get(name, 0) + n
+
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the store cannot be reached (network stores specialise)."""
+        return isinstance(exc, (ConnectionError, TimeoutError))
+
+    def _partial_failure(self, kind: str, exc: BaseException, n: int) -> None:
+        """A failure of ``n`` keys inside an otherwise successful call (same policy, same counters)."""
+        self._failed(kind, exc, n)
 
     def _failed(self, kind: str, exc: BaseException, n: int) -> None:
         """Count a failed read/write of ``n`` keys and warn once per kind (per store and process)."""
         self._count(f"{kind}_errors", n)
+        if self._is_unavailable(exc):
+            self._count("unavailable", n)
         if kind not in self._warned:
             self._warned.add(kind)
             what = ("cannot be read: these lookups are misses and the samples are decoded from the source"
@@ -129,11 +148,16 @@ class BaseStore:
         """Expected size of one value (seeds the byte-capped chunking before any value was seen)."""
         self._value_hint = max(1, int(nbytes))
 
+    def _lanes(self) -> int:
+        """Round trips one chunk is spread over in parallel (a cluster: its masters); the chunk cap is
+        ``fetch_bytes`` per lane."""
+        return 1
+
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         if not self.fetch_bytes or n <= 1:
             return [(0, n)]
         mean = self._mean_value or float(self._value_hint)
-        step = max(1, int(self.fetch_bytes // max(mean, 1.0)))
+        step = max(1, int(self.fetch_bytes * max(1, self._lanes()) // max(mean, 1.0)))
         return [(s, min(n, s + step)) for s in range(0, n, step)]
 
     def get_many(self, keys: Sequence[bytes]) -> list[Value | None]:

@@ -1,0 +1,93 @@
+"""``datacache-daemon`` / ``python -m cache_daemon``: the per-node cache daemon.
+
+Exit codes: 0 after a clean stop (SIGTERM/SIGINT drain, or ``--once`` done), 2 for a configuration
+error (one line naming the key and the valid values), 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+
+EPILOG = """\
+examples:
+  datacache-daemon --config /etc/datacache/daemon.toml
+  datacache-daemon --cache redis+cluster://127.0.0.1:7000 --redis-node 127.0.0.1:7000 \\
+                   --dataset /mnt/nfs/imagenet/train --short-side 160
+  DATACACHE_DAEMON_HTTP_PORT=9000 datacache-daemon --config daemon.toml
+  curl -s 127.0.0.1:8470/status; curl -s 127.0.0.1:8470/metrics
+  datacache warm /mnt/nfs/imagenet/train --via-daemon http://127.0.0.1:8470   # register at run time
+
+Config keys (TOML, or DATACACHE_DAEMON_<KEY> in the environment): cache, node, redis_node, ownership
+(cluster|hash|all), rank, world_size, workers, decoder (pillow|dali), memory_budget, http_host, http_port,
+poll_interval, t1_dir, t1_max_bytes, and [[datasets]] tables (source, short_side, encoding, revalidate).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="datacache-daemon", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Per-node cache daemon: keeps datasets decoded in the cluster's memory. It ingests the "
+                    "samples whose keys this node's Redis master serves (read through T1 -> decode in a "
+                    "process pool -> batched writes), resumes where it stopped, stops filling at the node's "
+                    "memory budget, reports fill %% per node in Redis, and serves /health, /status and "
+                    "/metrics on 127.0.0.1.")
+    p.add_argument("--config", help="TOML config file (default /etc/datacache/daemon.toml when it exists)")
+    p.add_argument("--cache", help="cache URL, e.g. redis+cluster://h1:7000,h2:7000")
+    p.add_argument("--redis-node", help="host:port of the Redis master on this node (cluster ownership)")
+    p.add_argument("--node", help="node name in reports (default: the hostname)")
+    p.add_argument("--ownership", help="cluster | hash | all")
+    p.add_argument("--rank", type=int, help="this daemon's rank (hash ownership)")
+    p.add_argument("--world-size", type=int, help="number of daemons (hash ownership)")
+    p.add_argument("--workers", type=int, help="decode processes (default: all cores)")
+    p.add_argument("--decoder", help="pillow | dali")
+    p.add_argument("--memory-budget", help="stop filling this node at this many bytes (e.g. 200GiB)")
+    p.add_argument("--http-host", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, help="HTTP port (default 8470; 0 = any free port)")
+    p.add_argument("--poll-interval", type=float, help="seconds between fill passes (default 30)")
+    p.add_argument("--dataset", action="append", default=[], metavar="SOURCE",
+                   help="a dataset to keep warm (repeatable; adds to the config's [[datasets]])")
+    p.add_argument("--short-side", type=int, default=160,
+                   help="short side of --dataset variants (default 160)")
+    p.add_argument("--once", action="store_true", help="exit 0 once every dataset is full (or at the budget)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true", help="print the effective configuration as JSON and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cache_daemon.config import DEFAULT_CONFIG, DatasetSpec, load_config
+    from datacache.config import ConfigError
+
+    path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    keys = ("cache", "redis_node", "node", "ownership", "rank", "world_size", "workers", "decoder",
+            "memory_budget", "http_host", "http_port", "poll_interval")
+    overrides = {k: getattr(args, k) for k in keys}
+    try:
+        cfg = load_config(path, overrides=overrides)
+        extra = tuple(DatasetSpec.from_dict({"source": s, "short_side": args.short_side}, "--dataset")
+                      for s in args.dataset)
+        cfg = replace(cfg, datasets=cfg.datasets + extra)
+        if args.check:
+            print(json.dumps(asdict(cfg), indent=1, default=str))
+            return 0
+        from cache_daemon.service import Daemon
+
+        daemon = Daemon(cfg, progress=False if args.no_progress else None)
+    except ConfigError as e:
+        print(f"datacache-daemon: config error: {e}", file=sys.stderr)
+        return 2
+    return daemon.run(once=args.once)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

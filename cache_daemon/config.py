@@ -1,0 +1,204 @@
+"""Daemon configuration: a TOML file (``/etc/datacache/daemon.toml``) with environment overrides.
+
+Example (``deploy/daemon.toml`` is the documented template)::
+
+    node = "node-1"                              # name in fill reports (default: the hostname)
+    cache = "redis+cluster://10.0.0.1:7000,10.0.0.2:7000"
+    redis_node = "10.0.0.1:7000"                 # the master on THIS node: ingest the keys it serves
+    ownership = "cluster"                        # cluster | hash | all
+    workers = 8                                  # decode processes (default: all cores)
+    decoder = "pillow"                           # pillow | dali
+    memory_budget = "200GiB"                     # MinIO policy: stop filling this node's master here
+    http_host = "127.0.0.1"
+    http_port = 8470
+    poll_interval = 30.0                         # seconds between fill passes / registry checks
+
+    [[datasets]]
+    source = "/mnt/nfs/imagenet/train"
+    short_side = 160
+
+Every top-level key can be overridden by ``DATACACHE_DAEMON_<KEY>`` (upper case), e.g.
+``DATACACHE_DAEMON_CACHE=redis://127.0.0.1:6379``, ``DATACACHE_DAEMON_HTTP_PORT=9000``. An unknown key,
+a wrong type or an invalid choice is a :class:`~datacache.config.ConfigError` that names the key
+(and where it came from) and lists the valid keys or values.
+
+Ownership (see :mod:`cache_daemon.ownership`): ``cluster`` -- the keys whose slots ``redis_node``
+serves (Redis Cluster); ``hash`` -- ``xxh3_64(key) % world_size == rank`` for a plain node list;
+``all`` -- every key (one daemon).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import tomllib
+
+from datacache.cacheurl import parse_bytes, parse_cache_url
+from datacache.config import ConfigError, Variant
+
+OWNERSHIP_CHOICES = ("cluster", "hash", "all")
+DECODER_CHOICES = ("pillow", "dali")
+ENV_PREFIX = "DATACACHE_DAEMON_"
+DEFAULT_CONFIG = "/etc/datacache/daemon.toml"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset to keep warm: its source URL and the cached variant."""
+
+    source: str
+    short_side: int = 160
+    encoding: str = "raw"
+    revalidate: str = "dirs"
+
+    def variant(self) -> Variant:
+        return Variant(short_side=self.short_side, encoding=self.encoding)
+
+    def ident(self) -> str:
+        return f"{self.source}|{self.variant().tag()}"
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> DatasetSpec:
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: a dataset must be a table with source = \"...\", got {d!r}")
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - valid)
+        if unknown:
+            raise ConfigError(f"{where}: unknown dataset key(s) {', '.join(unknown)}; valid keys: "
+                              f"{', '.join(sorted(valid))}")
+        if not isinstance(d.get("source"), str) or not d["source"]:
+            raise ConfigError(f"{where}: dataset key 'source' must be a non-empty string (a path or fsspec "
+                              "URL)")
+        short = d.get("short_side", 160)
+        if not isinstance(short, int) or isinstance(short, bool) or short < 1:
+            raise ConfigError(f"{where}: dataset key 'short_side' must be a positive integer, got {short!r}")
+        spec = cls(source=d["source"], short_side=short, encoding=d.get("encoding", "raw"),
+                   revalidate=d.get("revalidate", "dirs"))
+        spec.variant()  # validates encoding (ConfigError lists the choices)
+        from datacache.manifest import check_revalidate
+
+        check_revalidate(spec.revalidate)
+        return spec
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Typed daemon configuration (see the module docstring)."""
+
+    cache: str = ""
+    node: str = field(default_factory=socket.gethostname)
+    redis_node: str = ""
+    ownership: str = ""  # "" = cluster for redis+cluster:// caches, all otherwise
+    rank: int = 0
+    world_size: int = 1
+    workers: int = 0  # 0 = all cores
+    decoder: str = "pillow"
+    memory_budget: int = 0  # bytes; 0 = the master's maxmemory (or no budget)
+    http_host: str = "127.0.0.1"
+    http_port: int = 8470
+    poll_interval: float = 30.0
+    t1_dir: str = "default"
+    t1_max_bytes: int = 0
+    datasets: tuple[DatasetSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.cache:
+            raise ConfigError("daemon config: key 'cache' is required (e.g. cache = "
+                              "\"redis+cluster://10.0.0.1:7000,10.0.0.2:7000\")")
+        spec = parse_cache_url(self.cache)
+        own = self.ownership or ("cluster" if spec.tiers[-1].scheme == "redis+cluster" else "all")
+        object.__setattr__(self, "ownership", own)
+        _choice("ownership", own, OWNERSHIP_CHOICES)
+        _choice("decoder", self.decoder, DECODER_CHOICES)
+        if own == "cluster" and spec.tiers[-1].scheme != "redis+cluster":
+            raise ConfigError("daemon config: ownership = \"cluster\" needs a redis+cluster:// cache; "
+                              f"got {spec.url} (use ownership = \"hash\" with rank/world_size, or \"all\")")
+        if own == "cluster" and not self.redis_node:
+            raise ConfigError("daemon config: key 'redis_node' is required with ownership = \"cluster\": the "
+                              "host:port of the Redis master on this node (its keys are ingested here)")
+        if own == "hash" and not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"daemon config: rank must be in 0..world_size-1 "
+                              f"(world_size={self.world_size}), got {self.rank}")
+        for name in ("workers", "http_port", "memory_budget", "t1_max_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"daemon config: key {name!r} must be >= 0, got {getattr(self, name)}")
+        if self.poll_interval <= 0:
+            raise ConfigError(f"daemon config: key 'poll_interval' must be > 0 seconds, "
+                              f"got {self.poll_interval}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"daemon config: {key} = {value!r} is not valid; choose one of "
+                          f"{', '.join(choices)}")
+
+
+_KINDS = {"cache": str, "node": str, "redis_node": str, "ownership": str, "rank": int, "world_size": int,
+          "workers": int, "decoder": str, "memory_budget": "bytes", "http_host": str, "http_port": int,
+          "poll_interval": float, "t1_dir": str, "t1_max_bytes": "bytes"}
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    kind = _KINDS[key]
+    if kind == "bytes":
+        v = parse_bytes(str(value)) if not isinstance(value, bool) else None
+        if v is None:
+            raise ConfigError(f"{where}: key {key!r} must be a byte size such as 200GiB or 1000000, "
+                              f"got {value!r}")
+        return v
+    if kind is int and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{where}: key {key!r} must be an integer, got {value!r}") from None
+    if kind is float and isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: key {key!r} must be a number of seconds, got {value!r}") from None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(f"{where}: key {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_config(path: str | None = None, *, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> DaemonConfig:
+    """TOML file (optional) <- ``DATACACHE_DAEMON_*`` environment <- ``overrides`` (command line)."""
+    env = dict(os.environ if env is None else env)
+    raw: dict[str, Any] = {}
+    where = "daemon config"
+    if path:
+        where = path
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found (see deploy/daemon.toml for a template)"
+                              ) from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    valid = sorted([*_KINDS, "datasets"])
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+    values: dict[str, Any] = {k: _coerce(k, v, where) for k, v in raw.items() if k != "datasets"}
+    for key in _KINDS:
+        if ENV_PREFIX + key.upper() in env:
+            var = ENV_PREFIX + key.upper()
+            values[key] = _coerce(key, env[var], f"environment {var}")
+    unknown_env = sorted(k for k in env
+                         if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in _KINDS)
+    if unknown_env:
+        raise ConfigError(f"environment: unknown variable(s) {', '.join(unknown_env)}; valid: "
+                          f"{', '.join(ENV_PREFIX + k.upper() for k in _KINDS)}")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _coerce(key, value, "command line")
+    ds = raw.get("datasets", [])
+    if not isinstance(ds, list):
+        raise ConfigError(f"{where}: 'datasets' must be an array of tables ([[datasets]])")
+    values["datasets"] = tuple(DatasetSpec.from_dict(d, f"{where}: datasets[{i}]") for i, d in enumerate(ds))
+    return DaemonConfig(**values)

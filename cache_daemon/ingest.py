@@ -1,0 +1,165 @@
+"""One fill pass of one dataset: list -> own -> skip cached -> decode pool -> batched writes -> report.
+
+A pass (:func:`ingest_pass`):
+
+1. lists the source (the manifest is persisted and revalidated like ``CachedImageNet`` does, so
+   daemons and clients agree on the fingerprint and therefore on the keys);
+2. keeps the indices this daemon owns (:mod:`cache_daemon.ownership`, asked again every pass);
+3. **MinIO policy** (the default): if this node's Redis master is at its memory budget
+   (``memory_budget``, else the master's ``maxmemory``), nothing more is filled -- the cache keeps
+   what it has and the rest is served from the source, so the hit ratio equals the cached
+   fraction instead of an LRU's thrashing; checked again after every written chunk;
+4. runs :func:`datacache.warm.fill_missing` over the owned indices that are not cached
+   (resumable, bounded in-flight chunks, SIGTERM drains) writing straight to the Redis tier;
+5. reports ``owned``/``done`` to Redis (:mod:`datacache.fillstatus`) about once a second and at the
+   end, and keeps the figures for ``/status`` and ``/metrics``.
+
+A write is acknowledged when Redis answered ``OK`` to it (``SET NX``, atomic): a daemon killed with
+SIGKILL loses at most the chunks in flight, which the next pass (or a restarted daemon) decodes again;
+a record is never half written and never written twice under one key.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_daemon.config import DaemonConfig, DatasetSpec
+from cache_daemon.ownership import owned_mask
+from datacache.cacheurl import parse_cache_url
+from datacache.fillstatus import report_fill
+from datacache.manifest import Manifest
+from datacache.readthrough import ReadThrough, manifest_dir_for
+from datacache.warm import WarmReport, fill_missing, missing_in
+
+log = logging.getLogger("cache_daemon.ingest")
+REPORT_EVERY_S = 1.0
+
+
+@dataclass
+class DatasetState:
+    """What the daemon knows about one dataset (``/status`` and ``/metrics`` read it)."""
+
+    spec: DatasetSpec
+    status: str = "pending"  # pending | listing | filling | full | budget | error
+    fingerprint: str = ""
+    total: int = 0
+    owned: int = 0
+    done: int = 0
+    decoded: int = 0
+    bytes_read: int = 0
+    write_errors: int = 0
+    rate: float = 0.0
+    passes: int = 0
+    error: str = ""
+    quarantined: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def fill(self) -> float:
+        return self.done / self.owned if self.owned else 1.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"source": self.spec.source, "variant": self.spec.variant().tag(), "status": self.status,
+                "fingerprint": self.fingerprint, "total": self.total, "owned": self.owned, "done": self.done,
+                "fill": round(self.fill, 6), "decoded": self.decoded, "rate": round(self.rate, 1),
+                "bytes_read": self.bytes_read, "write_errors": self.write_errors, "passes": self.passes,
+                "error": self.error, "quarantined_count": len(self.quarantined),
+                "quarantined": dict(sorted(self.quarantined.items())[:100])}
+
+
+class _Stop:
+    """Stops a pass on SIGTERM (the daemon's event) or when the node reaches its memory budget."""
+
+    def __init__(self, outer: threading.Event) -> None:
+        self.outer = outer
+        self.budget = False
+
+    def is_set(self) -> bool:
+        return self.outer.is_set() or self.budget
+
+
+def node_memory(cfg: DaemonConfig, store: Any) -> tuple[int, int]:
+    """(used_memory, budget) of this node's Redis master; budget 0 = none."""
+    client = store.client(cfg.redis_node) if cfg.ownership == "cluster" else store.client()
+    mem = client.info("memory")
+    budget = cfg.memory_budget or int(mem.get("maxmemory", 0))
+    return int(mem.get("used_memory", 0)), budget
+
+
+def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: Any, stop: threading.Event,
+                progress: bool | None = None) -> WarmReport | None:
+    """One pass over ``state.spec`` (see the module docstring); never raises (errors go to ``state``)."""
+    spec = parse_cache_url(cfg.cache)
+    try:
+        state.status = "listing"
+        man = Manifest.build(state.spec.source, persist_dir=manifest_dir_for(spec),
+                             revalidate=state.spec.revalidate)
+        variant = state.spec.variant()
+        reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,
+                             t1_max_bytes=cfg.t1_max_bytes or None)
+        state.fingerprint, state.total = man.fingerprint, len(man)
+        keys = reader.keys(range(len(man)))
+        mine = [i for i, m in enumerate(owned_mask(cfg, store, keys)) if m]
+        state.owned = len(mine)
+        halt = _Stop(stop)
+        last = [0.0]
+        t0 = time.monotonic()
+
+        def on_chunk(rep: WarmReport) -> None:
+            state.decoded, state.bytes_read = base_decoded + rep.decoded, base_bytes + rep.bytes_read
+            state.quarantined.update(rep.quarantined)
+            state.done = rep.skipped + rep.written + len(rep.quarantined)
+            state.rate = (rep.decoded + len(rep.quarantined)) / max(1e-6, time.monotonic() - t0)
+            used, budget = node_memory(cfg, store)  # one INFO per written chunk
+            if budget and used >= budget:
+                halt.budget = True
+            if time.monotonic() - last[0] >= REPORT_EVERY_S:
+                last[0] = time.monotonic()
+                _report(cfg, state, store, variant.tag())
+
+        base_decoded, base_bytes = state.decoded, state.bytes_read
+        used, budget = node_memory(cfg, store)
+        if budget and used >= budget:
+            halt.budget = True  # MinIO policy: the node keeps what it has, nothing more is filled
+        state.status = "filling"
+        rep = None
+        if not halt.budget:
+            rep = fill_missing(reader, mine, workers=cfg.workers or None, decoder=decoder,
+                               progress=sys.stderr.isatty() if progress is None else progress, stop=halt,
+                               on_chunk=on_chunk, store=store, desc=f"{cfg.node} {variant.tag()}")
+            state.write_errors += rep.write_errors
+            state.quarantined.update(rep.quarantined)
+        missing = missing_in(reader, store, mine)
+        used, budget = node_memory(cfg, store)
+        refused = rep is not None and rep.write_errors > 0  # Redis answered OOM: the node is at its budget
+        halt.budget = halt.budget or bool(budget and missing and (refused or used >= 0.98 * budget))
+        state.done = state.owned - len(missing)
+        state.passes += 1
+        state.status = "full" if not missing else ("budget" if halt.budget else "filling")
+        if halt.budget and missing:
+            log.warning("%s: node %s reached its memory budget (%d of %d bytes): %d of %d owned samples stay "
+                        "uncached and are served from the source (MinIO policy)", state.spec.source, cfg.node,
+                        *node_memory(cfg, store), len(missing), state.owned)
+        state.error = ""
+        log.info("%s %s: pass %d: owned %d, cached %d, decoded %d, skipped %d (already cached), status %s",
+                 state.spec.source, variant.tag(), state.passes, state.owned, state.done,
+                 rep.decoded if rep else 0, rep.skipped if rep else 0, state.status)
+        _report(cfg, state, store, variant.tag())
+        return rep
+    except Exception as e:  # a pass that fails is reported and retried on the next poll, never fatal
+        state.status, state.error = "error", f"{type(e).__name__}: {e}"
+        log.warning("%s: fill pass failed (%s); retried in %.0f s", state.spec.source, state.error,
+                    cfg.poll_interval)
+        return None
+
+
+def _report(cfg: DaemonConfig, state: DatasetState, store: Any, tag: str) -> None:
+    try:
+        report_fill(store, state.fingerprint, tag, cfg.node, owned=state.owned, done=state.done,
+                    quarantined=len(state.quarantined), total=state.total, rate=state.rate)
+    except Exception as e:  # reporting is best effort: the fill itself goes on
+        log.debug("fill report failed: %s", e)

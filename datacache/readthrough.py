@@ -1,0 +1,305 @@
+"""The one read-through path: keys -> tiers -> fill (source -> decode -> encode -> write-back).
+
+:class:`ReadThrough` is what ``CachedImageNet`` (a thin torch face over it), ``datacache warm`` and
+the cache daemon use, so there is one rule for hits, misses, bad records and bad files:
+
+1. **Keys -> tiers.** One ``store.get_many`` for the batch (the store -- one tier or a
+   :class:`~datacache.tiered.TieredStore` -- bounds its own round trips by bytes). A record that
+   passes :func:`~datacache.record.decode_record` for the key it was asked for, with the manifest's
+   label, is a hit (a zero-copy numpy view of the returned buffer). Anything else (absent, truncated,
+   bit-flipped, poisoned, under another key) is a miss; a bad record is counted ``t2_invalid`` and
+   rewritten with ``overwrite=True``. Values are never unpickled.
+2. **Known-bad files**: this process's quarantine first, then the decode failures remembered in
+   the store (:mod:`datacache.quarantine`).
+3. **Fill**: the file bytes come from T1/T0 (``Source.read_many``: concurrent), are decoded to the
+   variant (:func:`~datacache.fill.fill_one`; with ``threads > 1`` several decodes run at once --
+   Pillow releases the GIL), encoded, and written back **once per batch**: one ``put_many`` of the
+   fresh records (``SET NX``), one of the rewritten ones, one of the newly remembered bad files. No
+   lock is held across a decode; LMDB's write transaction covers only the batch write.
+4. Failures come back as :class:`Failure` (reason + whether it was a read or a decode failure);
+   the caller applies its policy (substitute or raise).
+
+Per-process state (fork/spawn boundary): the store and the source are opened lazily in the process
+that uses them (pid check); pickling ships only the manifest, the cache spec and the config.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from datacache.cacheurl import MAX_TIERS, CacheSpec, StoreSpec, parse_cache_url
+from datacache.config import Variant, user_cache_dir
+from datacache.fill import Decoder, fill_one
+from datacache.keys import sample_key
+from datacache.manifest import Manifest
+from datacache.quarantine import parse_quarantine, quarantine_key, quarantine_value
+from datacache.record import decode_record
+from datacache.source import Source
+
+COUNTERS = (
+    "samples", "t2_hits", "t2_misses", "t2_invalid", "t2_bytes", "t2_written", "t2_known_bad",
+    "t2_read_errors", "t2_write_errors", "t2_unavailable", "decoded", "errors", "substituted", "t1_hits",
+    "t1_misses", "t0_bytes", "t0_retries", "t0_errors", "writeback_dropped",
+    *(f"tier{i}_{what}" for i in range(MAX_TIERS) for what in ("hits", "misses", "bytes")),
+)
+_TIER_COUNTERS = COUNTERS[-3 * MAX_TIERS:]
+SOURCE_FAILURE, DECODE_FAILURE = 1, 2
+_SOURCE_DELTA = {"t1_hits": "t1_hits", "t1_misses": "t1_misses", "bytes_read": "t0_bytes",
+                 "retries": "t0_retries", "errors": "t0_errors"}
+_STORES: dict[tuple[int, str], Any] = {}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A sample that could not be loaded: why, and whether reading (1) or decoding (2) failed."""
+
+    reason: str
+    code: int
+
+
+def manifest_dir_for(cache: str | CacheSpec | StoreSpec) -> str:
+    """Where manifests are persisted for a cache: inside the nearest tier's LMDB directory
+    (``<dir>/manifests``; LMDB ignores extra files there), else under the user cache dir."""
+    spec = cache if isinstance(cache, StoreSpec) else parse_cache_url(cache).store
+    if spec.scheme == "lmdb":
+        return os.path.join(spec.location, "manifests")
+    return os.path.join(user_cache_dir(), "datacache", "manifests")
+
+
+def shared_store(cache: str | CacheSpec | StoreSpec) -> Any:
+    """One store object per (process, cache URL): LMDB refuses to open the same environment twice in
+    one process, so datasets that share a cache (train + val, two sweeps in one process) share the
+    handle. Per pid, so a forked child never reuses its parent's entry."""
+    spec = cache if isinstance(cache, (StoreSpec, CacheSpec)) else parse_cache_url(cache)
+    key = (os.getpid(), spec.secret_url)
+    st = _STORES.get(key)
+    if st is None:
+        st = _STORES[key] = spec.open()
+    return st
+
+
+def record_bytes_hint(variant: Variant) -> int:
+    """Expected size of one raw record of ``variant`` (4:3 images): seeds byte-capped chunking."""
+    return variant.short_side * min(variant.long_cap, (variant.short_side * 4) // 3) * 3 + 64
+
+
+class ReadThrough:
+    """Keys -> tiers -> fill for one dataset and variant (see the module docstring)."""
+
+    def __init__(self, manifest: Manifest, variant: Variant, cache: CacheSpec, *,
+                 t1_dir: str | None = "default",
+                 t1_max_bytes: int | None = None, storage_options: dict | None = None,
+                 decoder: Decoder | None = None) -> None:
+        self.manifest = manifest
+        self.variant = variant
+        self.cache = cache
+        self.tag = variant.tag()
+        self.decoder = decoder
+        self._t1_dir = t1_dir
+        self._t1_max_bytes = t1_max_bytes
+        self._storage_options = storage_options
+        self.quarantine_local: dict[str, str] = {}  # relpath -> reason, this process
+        self._prefix = sample_key(manifest.fingerprint, self.tag, 0)[:-1]  # b"dc:<fp>:<variant>:"
+        self._reset()
+
+    def _reset(self) -> None:
+        self._store: Any = None
+        self._source: Source | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_store", "_source", "_pool", "_pid")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked or unpickled: nothing of another process's handles is used
+            self._reset()
+            self._pid = os.getpid()
+
+    def open(self) -> None:
+        """Open the store and the source in this process (after a fork or spawn: again)."""
+        self.store  # noqa: B018
+        self.source  # noqa: B018
+
+    @property
+    def store(self) -> Any:
+        """This process's store (opened on first use; a decode-pool worker never opens it)."""
+        self._check_pid()
+        if self._store is None:
+            self._store = shared_store(self.cache)
+            self._store.hint_value_bytes(record_bytes_hint(self.variant))
+        return self._store
+
+    @property
+    def source(self) -> Source:
+        self._check_pid()
+        if self._source is None:
+            self._source = Source(self.manifest.root, t1_dir=self._t1_dir, t1_max_bytes=self._t1_max_bytes,
+                                  storage_options=self._storage_options)
+        return self._source
+
+    def key(self, index: int) -> bytes:
+        return self._prefix + b"%d" % index
+
+    def keys(self, indices: Sequence[int]) -> list[bytes]:
+        p = self._prefix
+        return [p + b"%d" % i for i in indices]  # ~3x cheaper than one sample_key call per index
+
+    def qkey(self, index: int) -> bytes:
+        return quarantine_key(self.tag, self.manifest.paths[index], self.manifest.identity(index))
+
+    # ------------------------------------------------------------ the read path
+    def load_many(self, indices: Sequence[int], counts: dict[str, int], *, threads: int = 1
+                  ) -> list[tuple[np.ndarray, int] | Failure]:
+        """Per index: ``(HWC uint8 pixels, label)`` or a :class:`Failure`; counts into ``counts``
+        (keys of :data:`COUNTERS`). ``threads`` > 1 decodes misses concurrently."""
+        store = self.store
+        before = store.counters()
+        try:
+            return self._load(indices, counts, threads)
+        finally:
+            after = store.counters()
+            for name in ("read_errors", "write_errors", "unavailable"):
+                counts[f"t2_{name}"] += after.get(name, 0) - before.get(name, 0)
+            dropped = after.get("writeback_dropped", 0) - before.get("writeback_dropped", 0)
+            counts["writeback_dropped"] += dropped
+
+    def _load(self, indices: Sequence[int], counts: dict[str, int], threads: int) -> list[Any]:
+        man = self.manifest
+        out: list[Any] = [None] * len(indices)
+        keys = self.keys(indices)
+        labels = man.labels[list(indices)].tolist()
+        tiers_before = self._store.counters()
+        bufs = self._store.get_many(keys)
+        tiers_after = self._store.counters()  # per-tier figures of the sample lookups only
+        for name in _TIER_COUNTERS:
+            if name in tiers_after:
+                counts[name] += tiers_after[name] - tiers_before.get(name, 0)
+        miss: list[int] = []  # positions
+        invalid: set[int] = set()
+        for pos, (key, buf) in enumerate(zip(keys, bufs)):
+            if buf is None:
+                miss.append(pos)
+                continue
+            rec = decode_record(buf, key)
+            if rec is None or rec[1] != labels[pos]:
+                invalid.add(pos)
+                miss.append(pos)
+                continue
+            counts["t2_bytes"] += len(buf)
+            out[pos] = (rec[0], int(rec[1]))
+        counts["t2_hits"] += len(indices) - len(miss)
+        counts["t2_misses"] += len(miss)
+        counts["t2_invalid"] += len(invalid)
+        todo = self._skip_known_bad(indices, miss, out, counts)
+        if todo:
+            self._fill(indices, todo, invalid, out, counts, threads)
+        return out
+
+    def _skip_known_bad(self, indices: Sequence[int], miss: list[int], out: list[Any],
+                        counts: dict[str, int]) -> list[int]:
+        """Known-bad files: this process's quarantine, then decode failures remembered in the store."""
+        man = self.manifest
+        todo: list[int] = []
+        for pos in miss:
+            reason = self.quarantine_local.get(man.paths[indices[pos]])
+            if reason is None:
+                todo.append(pos)
+            else:
+                out[pos] = Failure(reason, DECODE_FAILURE)
+                counts["errors"] += 1
+        if not todo:
+            return todo
+        known = self._store.get_many([self.qkey(indices[p]) for p in todo])
+        rest = []
+        for pos, q in zip(todo, known):
+            i = indices[pos]
+            reason = parse_quarantine(q, man.paths[i], man.identity(i))
+            if reason is None:
+                rest.append(pos)
+            else:
+                counts["t2_known_bad"] += 1
+                out[pos] = self._fail(i, Failure(reason, DECODE_FAILURE), counts)
+        return rest
+
+    def _fail(self, index: int, failure: Failure, counts: dict[str, int]) -> Failure:
+        import logging
+
+        rel = self.manifest.paths[index]
+        counts["errors"] += 1
+        if rel not in self.quarantine_local:
+            self.quarantine_local[rel] = failure.reason
+            logging.getLogger("datacache.readthrough").warning("quarantined %s (%s)", rel, failure.reason)
+        return failure
+
+    def _decode_all(self, datas: list[Any], items: list[tuple[int, str, int, int]], threads: int
+                    ) -> list[Any]:
+        def one(arg: tuple[Any, tuple[int, str, int, int]]) -> Any:
+            data, (i, rel, label, size) = arg
+            kw = {"decoder": self.decoder} if self.decoder is not None else {}
+            return fill_one(data, rel=rel, size=size, label=label, key=self.key(i), variant=self.variant,
+                            **kw)
+
+        if threads <= 1 or len(items) < 2:
+            return [one(a) for a in zip(datas, items)]
+        if self._pool is None:  # threads of THIS process (pid-checked with the store in open())
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datacache-decode")
+        return list(self._pool.map(one, zip(datas, items)))
+
+    def _fill(self, indices: Sequence[int], todo: list[int], invalid: set[int], out: list[Any],
+              counts: dict[str, int], threads: int) -> None:
+        man = self.manifest
+        src = self.source
+        before = src.stats()
+        idx = [indices[p] for p in todo]
+        datas = src.read_many([man.paths[i] for i in idx], sizes=[int(man.sizes[i]) for i in idx],
+                              identities=[man.identity(i) for i in idx])
+        after = src.stats()
+        for k, name in _SOURCE_DELTA.items():
+            counts[name] += int(after.get(k, 0)) - int(before.get(k, 0))
+        items = [(i, man.paths[i], int(man.labels[i]), int(man.sizes[i])) for i in idx]
+        filled = self._decode_all(datas, items, threads)
+        fresh: list[tuple[bytes, bytes]] = []
+        rewrite: list[tuple[bytes, bytes]] = []
+        bad: list[tuple[bytes, bytes]] = []
+        for pos, data, (i, rel, label, _), got in zip(todo, datas, items, filled):
+            if got.record is None:
+                code = SOURCE_FAILURE if isinstance(data, BaseException) else DECODE_FAILURE
+                out[pos] = self._fail(i, Failure(got.reason, code), counts)
+                if got.remember:
+                    bad.append((self.qkey(i), quarantine_value(rel, man.identity(i), got.reason)))
+                continue
+            counts["decoded"] += 1
+            (rewrite if pos in invalid else fresh).append((self.key(i), got.record))
+            out[pos] = (got.pixels, label)
+        # one batched write per kind; failures (read-only cache, full disk) are counted, never raised
+        if fresh:
+            counts["t2_written"] += self._store.put_many(fresh)
+        if rewrite:
+            counts["t2_written"] += self._store.put_many(rewrite, overwrite=True)
+        if bad:
+            self._store.put_many(bad)
+
+    # ------------------------------------------------------------ for warm and the daemon
+    def remember_bad(self, index: int, reason: str) -> tuple[bytes, bytes]:
+        """The quarantine record for an undecodable file (written by the caller in its batch)."""
+        return self.qkey(index), quarantine_value(self.manifest.paths[index], self.manifest.identity(index),
+                                                  reason)
+
+    def parse_known_bad(self, index: int, value: Any) -> str | None:
+        return parse_quarantine(value, self.manifest.paths[index], self.manifest.identity(index))
+
+    def close(self) -> None:
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool = None

@@ -1,0 +1,228 @@
+"""Real ``redis-server`` processes on loopback: one standalone server, or an N-master Redis Cluster.
+
+Used by the tests (fixtures start and stop their own servers on free ports), the cluster benchmark
+and ``deploy/local-cluster.sh`` (``python -m datacache.redis_local up``), so every local cluster is
+built the same way: ``redis-server`` per master with ``cluster-enabled yes`` in its own directory,
+then ``redis-cli --cluster create ... --cluster-yes`` and a wait until ``cluster_state:ok``.
+Nothing here is a mock: these are the Debian ``redis-server`` 7 binaries.
+
+Servers run with no persistence (``save ""``, ``appendonly no``): a restarted master comes back
+empty, which is exactly the "node lost its memory" case the fault tests exercise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the cluster bus uses port + 10000: checked too)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port pair (port, port + 10000) found")
+
+
+def redis_available() -> str | None:
+    """Why real Redis tests cannot run here, or None when redis-server and redis-cli exist."""
+    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
+    return f"{' and '.join(missing)} not installed (apt-get install redis-server)" if missing else None
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1:``port`` (see :func:`start_server`)."""
+
+    port: int
+    workdir: str
+    args: list[str]
+    proc: subprocess.Popen | None = None
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        os.makedirs(self.workdir, exist_ok=True)
+        log = open(os.path.join(self.workdir, "redis.log"), "ab")  # noqa: SIM115 (lives with the process)
+        self.proc = subprocess.Popen(["redis-server", *self.args], cwd=self.workdir, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                with open(os.path.join(self.workdir, "redis.log"), errors="replace") as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"redis-server on port {self.port} exited at start:\n{tail}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                reply = s.recv(64)
+                if reply.startswith((b"+PONG", b"-NOAUTH")):  # up (an ACL server answers NOAUTH)
+                    return self
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout} s")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (SIGKILL by default: the node dies with its memory) and reap the process."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+
+
+def server_args(port: int, *, cluster: bool = False, maxmemory: str | None = None,
+                policy: str = "noeviction", password: str | None = None, user: str | None = None,
+                extra: list[str] | None = None) -> list[str]:
+    """Command-line config of a cache node: loopback, no persistence, optional memory cap and ACL user."""
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--protected-mode", "yes", "--maxmemory-policy", policy, "--daemonize", "no"]
+    if maxmemory:
+        args += ["--maxmemory", maxmemory]
+    if cluster:
+        args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no",
+                 "--cluster-allow-reads-when-down", "yes"]
+    if user and password:  # an ACL user limited to the datacache key prefixes; default user off
+        args += ["--user", user, "on", f">{password}", "~dc:*", "~dcq:*", "~dcd:*", "+@all",
+                 "--user", "default", "off"]
+    elif password:
+        args += ["--requirepass", password]
+    return args + list(extra or [])
+
+
+def start_server(workdir: str, *, port: int | None = None, **kw: object) -> RedisServer:
+    """Start one standalone ``redis-server`` (``kw`` goes to :func:`server_args`)."""
+    port = port or free_port()
+    return RedisServer(port, workdir, server_args(port, **kw)).start()  # type: ignore[arg-type]
+
+
+@dataclass
+class LocalCluster:
+    """``n`` Redis Cluster masters on loopback, created with ``redis-cli --cluster create``."""
+
+    masters: list[RedisServer] = field(default_factory=list)
+    workdir: str = ""
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(m.addr for m in self.masters)
+
+    def wait_ok(self, timeout: float = 20.0) -> None:
+        """Wait until every live master reports ``cluster_state:ok`` and knows every slot."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [_cli(m.port, "cluster", "info") for m in self.masters
+                      if m.proc is not None and m.proc.poll() is None]
+            if states and all("cluster_state:ok" in s and "cluster_slots_assigned:16384" in s
+                              for s in states):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"cluster at {self.url} did not reach cluster_state:ok in {timeout} s")
+
+    def restart_empty(self, i: int) -> None:
+        """Restart master ``i`` on its port with its cluster config but no data (it lost its memory)."""
+        m = self.masters[i]
+        m.kill()
+        m.start()
+        self.wait_ok()
+
+    def stop(self) -> None:
+        for m in self.masters:
+            m.stop()
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
+    out = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True,
+                         timeout=timeout)
+    return out.stdout + out.stderr
+
+
+def start_cluster(workdir: str, n: int = 3, *, ports: list[int] | None = None, **kw: object) -> LocalCluster:
+    """Start ``n`` masters (no replicas) and join them into one cluster covering all 16384 slots."""
+    ports = ports or [free_port() for _ in range(n)]
+    cl = LocalCluster(workdir=workdir)
+    try:
+        for p in ports:
+            cl.masters.append(start_server(os.path.join(workdir, f"node-{p}"), port=p, cluster=True, **kw))
+        out = subprocess.run(["redis-cli", "--cluster", "create", *[m.addr for m in cl.masters],
+                              "--cluster-replicas", "0", "--cluster-yes"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0 or "[OK] All 16384 slots covered" not in out.stdout:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
+        cl.wait_ok()
+    except BaseException:
+        cl.stop()
+        raise
+    return cl
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m datacache.redis_local up|down``: a local N-master cluster for the README demo."""
+    ap = argparse.ArgumentParser(prog="python -m datacache.redis_local",
+                                 description="Start (up) or stop (down) a local Redis Cluster of real "
+                                             "redis-server processes on 127.0.0.1 (no persistence).")
+    ap.add_argument("action", choices=("up", "down"))
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "datacache-local-cluster"),
+                    help="working directory (state file, logs, nodes.conf)")
+    ap.add_argument("--masters", type=int, default=3)
+    ap.add_argument("--base-port", type=int, default=7000, help="masters on base-port .. base-port+N-1")
+    ap.add_argument("--maxmemory", default="1gb", help="memory budget per master (default 1gb)")
+    args = ap.parse_args(argv)
+    state = os.path.join(args.dir, "cluster.json")
+    if args.action == "down":
+        if not os.path.exists(state):
+            print(f"no local cluster recorded in {state}")
+            return 0
+        for pid in _load(state)["pids"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        os.remove(state)
+        print("stopped the local cluster")
+        return 0
+    if os.path.exists(state):
+        print(f"a local cluster is already recorded in {state}: {_load(state)['url']} "
+              "(run `down` first)", file=sys.stderr)
+        return 1
+    shutil.rmtree(args.dir, ignore_errors=True)
+    ports = [args.base_port + i for i in range(args.masters)]
+    cl = start_cluster(args.dir, args.masters, ports=ports, maxmemory=args.maxmemory)
+    os.makedirs(args.dir, exist_ok=True)
+    with open(state, "w") as f:
+        json.dump({"url": cl.url, "pids": [m.proc.pid for m in cl.masters if m.proc]}, f)
+    print(cl.url)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

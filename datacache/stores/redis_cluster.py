@@ -1,0 +1,298 @@
+"""``redis+cluster://h1:p1[,h2:p2...]``: a Redis Cluster as the cluster-memory tier (T3).
+
+Routing is done here, not by redis-py's cluster client, so a batch never waits on redirections:
+
+* the slot map comes from ``CLUSTER SLOTS`` (asked of the first seed or known master that
+  answers) as one numpy array slot -> master; a key's slot is redis-py's CRC16
+  (``redis.crc.key_slot``). Keys never contain ``{}`` (no hash tags), so samples spread over
+  all slots;
+* ``get_many`` groups the keys by master and sends one non-transactional pipeline of ``GET``s per
+  master, the pipelines in parallel (one thread per master; never a cross-slot ``MGET``); the
+  chunk of keys per call is capped at ``fetch_bytes`` per master (:meth:`BaseStore._lanes`);
+* ``put_many`` sends ``SET key value NX`` per key in one pipeline per master, in parallel;
+  ``contains`` sends ``EXISTS`` per key, grouped the same way;
+* a master that refuses the connection, times out, answers ``MOVED``/``ASK``/``CLUSTERDOWN``, or a
+  slot no master serves: **those keys** are misses (counted in ``read_errors`` and
+  ``unavailable``), the other masters' answers are used, and the slot map is refreshed in the
+  background (at most every 0.5 s) -- the training loop never blocks on a dead node.
+
+:meth:`RedisClusterStore.masters` and :meth:`RedisClusterStore.master_of` expose the map for the
+daemon's ownership (:mod:`cache_daemon.ownership`).
+
+Per-process state (fork/spawn boundary): clients, the slot map, the refresh thread and the
+thread pool belong to the process that created them (pid-checked); a forked DataLoader worker
+builds its own on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from datacache.cacheurl import StoreSpec
+from datacache.stores.base import BaseStore, Value
+from datacache.stores.redis_common import (
+    DEFAULT_FETCH_BYTES,
+    advice,
+    connection_kwargs,
+    is_unavailable,
+    parse_hostport,
+    split_userinfo,
+)
+from datacache.stores.redis_store import server_info
+from datacache.stores.resp import pipelined_get
+
+NSLOTS = 16384
+_REFRESH_EVERY_S = 0.5
+
+
+def key_slots(keys: Sequence[bytes]) -> np.ndarray:
+    """Redis Cluster hash slot of every key (CRC16 mod 16384; keys have no ``{}`` hash tags)."""
+    from redis.crc import key_slot
+
+    return np.fromiter((key_slot(bytes(k)) for k in keys), dtype=np.int32, count=len(keys))
+
+
+class RedisClusterStore(BaseStore):
+    """A Redis Cluster (see the module docstring)."""
+
+    backend = "redis-cluster"
+    remote = True
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+        _, _, rest = split_userinfo(spec.location, spec.url)
+        self.seeds = [parse_hostport(p, spec.url) for p in rest.split(",")]
+        self.tls = bool(spec.option("tls", False))
+        super().__init__(spec.url, fetch_bytes=spec.option("fetch_bytes", DEFAULT_FETCH_BYTES))
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._pid = os.getpid()
+        self._clients: dict[str, Any] = {}
+        self._nodes: list[str] = []  # master addresses "host:port"
+        self._slots: np.ndarray | None = None  # slot -> index into _nodes, -1 = not served
+        self._lock = threading.Lock()
+        self._refreshing = False
+        self._last_refresh = 0.0
+        self._pool: ThreadPoolExecutor | None = None
+        self._counters.update(slot_refreshes=0)
+
+    def _process_attrs(self) -> tuple[str, ...]:
+        return (*super()._process_attrs(), "_pid", "_clients", "_nodes", "_slots", "_lock", "_refreshing",
+                "_last_refresh", "_pool")
+
+    def _ensure(self) -> None:
+        if self._pid != os.getpid():  # forked: nothing of the parent's connections or threads is usable
+            self._reset_process_state()
+        if self._slots is None:
+            self.refresh_slots()
+
+    # ------------------------------------------------------------ topology
+    def client(self, addr: str) -> Any:
+        """Client of one node (created on first use in this process)."""
+        c = self._clients.get(addr)
+        if c is None:
+            import redis
+
+            host, port = parse_hostport(addr, self.url)
+            c = self._clients[addr] = redis.Redis(host=host, port=port,
+                                                  **connection_kwargs(self.spec, tls=self.tls))
+        return c
+
+    def refresh_slots(self) -> None:
+        """Rebuild the slot map from ``CLUSTER SLOTS`` of the first node that answers; raises the last
+        error when none does."""
+        candidates = list(dict.fromkeys([*self._nodes, *(f"{h}:{p}" for h, p in self.seeds)]))
+        last: BaseException | None = None
+        for addr in candidates:
+            try:
+                reply = self.client(addr).execute_command("CLUSTER SLOTS")
+            except Exception as e:
+                last = e
+                continue
+            host_default = addr.rpartition(":")[0]
+            nodes: list[str] = []
+            table = np.full(NSLOTS, -1, dtype=np.int16)
+            for entry in reply:
+                start, end, master = int(entry[0]), int(entry[1]), entry[2]
+                ip = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                node = f"{ip or host_default}:{int(master[1])}"
+                if node not in nodes:
+                    nodes.append(node)
+                table[start:end + 1] = nodes.index(node)
+            with self._lock:
+                self._nodes, self._slots = nodes, table
+                self._last_refresh = time.monotonic()
+            self._count("slot_refreshes")
+            return
+        self._slots = np.full(NSLOTS, -1, dtype=np.int16) if self._slots is None else self._slots
+        raise last if last is not None else ConnectionError(f"{self.url}: no seed node")
+
+    def _refresh_in_background(self) -> None:
+        """Refresh the slot map off the read path (a thread of this process), at most every 0.5 s."""
+        with self._lock:
+            if self._refreshing or time.monotonic() - self._last_refresh < _REFRESH_EVERY_S:
+                return
+            self._refreshing = True
+            self._last_refresh = time.monotonic()
+
+        def run() -> None:
+            try:
+                self.refresh_slots()
+            except Exception:  # every node unreachable: the next failed read schedules another try
+                pass
+            finally:
+                self._refreshing = False
+
+        threading.Thread(target=run, name="datacache-slot-refresh", daemon=True).start()
+
+    def masters(self) -> list[str]:
+        """Addresses of the masters that serve at least one slot."""
+        self._ensure()
+        assert self._slots is not None
+        served = set(np.unique(self._slots[self._slots >= 0]).tolist())
+        return [n for i, n in enumerate(self._nodes) if i in served]
+
+    def master_of(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The master serving each key's slot now (None for a slot no master serves)."""
+        self._ensure()
+        assert self._slots is not None
+        idx = self._slots[key_slots(keys)]
+        return [self._nodes[i] if i >= 0 else None for i in idx.tolist()]
+
+    def _lanes(self) -> int:
+        return max(1, len(self._nodes) or len(self.seeds))
+
+    # ------------------------------------------------------------ fan-out
+    def _fan_out(self, keys: Sequence[bytes], op: Callable[[Any, list[int]], list[Any]], kind: str,
+                 miss: Any) -> list[Any]:
+        """Run ``op(client, positions)`` once per master for its keys, in parallel; a master that fails
+        gives ``miss`` for its keys (counted, slot map refreshed in the background)."""
+        self._ensure()
+        assert self._slots is not None
+        owner = self._slots[key_slots(keys)]
+        out: list[Any] = [miss] * len(keys)
+        groups = {int(n): np.flatnonzero(owner == n).tolist() for n in np.unique(owner)}
+        unserved = groups.pop(-1, [])
+        if unserved:
+            self._partial_failure(kind, ConnectionError(f"{len(unserved)} keys in slots no master serves"),
+                                  len(unserved))
+            self._refresh_in_background()
+        nodes = self._nodes
+
+        def one(node: int, pos: list[int]) -> tuple[list[int], list[Any] | BaseException]:
+            try:
+                return pos, op(self.client(nodes[node]), pos)
+            except Exception as e:  # a dead or unreachable master: its keys are misses
+                return pos, e
+
+        if len(groups) == 1:
+            results = [one(*next(iter(groups.items())))]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="datacache-redis")
+            results = list(self._pool.map(lambda kv: one(*kv), groups.items()))
+        for pos, got in results:
+            if isinstance(got, BaseException):
+                self._partial_failure(kind, got, len(pos))
+                self._refresh_in_background()
+                continue
+            errors = [r for r in got if isinstance(r, Exception)]
+            if errors:
+                self._partial_failure(kind, errors[0], len(errors))
+                if any(is_unavailable(e) for e in errors):
+                    self._refresh_in_background()  # MOVED / ASK: a slot moved
+            for p, r in zip(pos, got):
+                if not isinstance(r, Exception):
+                    out[p] = r
+        return out
+
+    def _get_many(self, keys: list[bytes]) -> list[Value | None]:
+        mean = self._mean_value or self._value_hint
+
+        def op(client: Any, pos: list[int]) -> list[Any]:  # replies straight into one buffer per node
+            return pipelined_get(client, [keys[p] for p in pos], int(len(pos) * mean))
+
+        return self._fan_out(keys, op, "read", None)
+
+    def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
+        def op(client: Any, pos: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for p in pos:
+                pipe.set(items[p][0], items[p][1], nx=not overwrite)
+            return pipe.execute(raise_on_error=False)
+
+        got = self._fan_out([k for k, _ in items], op, "write", None)
+        return sum(1 for r in got if r is True)
+
+    def _contains(self, keys: list[bytes]) -> list[bool]:
+        def op(client: Any, pos: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for p in pos:
+                pipe.exists(keys[p])
+            return pipe.execute(raise_on_error=False)
+
+        return [r == 1 for r in self._fan_out(keys, op, "read", 0)]
+
+    # ------------------------------------------------------------ daemon reports
+    def _master_client(self, name: bytes) -> Any:
+        addr = self.master_of([name])[0]
+        if addr is None:
+            raise ConnectionError(f"{self.url}: no master serves the slot of {name!r}")
+        return self.client(addr)
+
+    def status_set(self, name: bytes, field: str, value: bytes) -> None:
+        """HSET of a daemon report on the master of ``name``'s slot; raises on failure."""
+        self._master_client(name).hset(name, field, value)
+
+    def status_get(self, name: bytes) -> dict[bytes, bytes]:
+        return dict(self._master_client(name).hgetall(name))
+
+    # ------------------------------------------------------------ misc
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        return is_unavailable(exc)
+
+    def _advice(self, exc: BaseException) -> str:
+        return advice(exc, self.url) or super()._advice(exc)
+
+    def _stats(self) -> dict[str, Any]:
+        self._ensure()
+        per: dict[str, Any] = {}
+        for addr in self.masters():
+            try:
+                per[addr] = server_info(self.client(addr))
+            except Exception as e:
+                per[addr] = {"error": f"{type(e).__name__}: {e}"}
+        keys = sum(int(v.get("keys", 0)) for v in per.values())
+        used = sum(int(v.get("used_memory", 0)) for v in per.values())
+        return {"entries": keys, "used_memory": used, "masters": per}
+
+    def _health(self) -> str:
+        self._ensure()
+        down = []
+        for addr in self.masters():
+            try:
+                self.client(addr).ping()
+            except Exception as e:
+                down.append(f"{addr} ({type(e).__name__})")
+        if down:
+            raise ConnectionError(f"masters down: {', '.join(down)}")
+        assert self._slots is not None
+        if (self._slots < 0).any():
+            raise ConnectionError(f"{int((self._slots < 0).sum())} slots not served")
+        return f"{len(self._nodes)} masters, all 16384 slots served"
+
+    def _close(self) -> None:
+        if self._pid == os.getpid():
+            for c in self._clients.values():
+                c.close()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+        self._clients, self._pool = {}, None

@@ -1,0 +1,162 @@
+"""What the Redis stores share: URL locations, connection options (ACL user, TLS), error classes.
+
+Locations (the part after ``scheme://``)::
+
+    redis://[user:password@]host:port[/db]            one server (db 0 by default)
+    rediss://[user:password@]host:port[/db]           the same over TLS
+    redis+cluster://[user:password@]h1:p1[,h2:p2...]  seed nodes of a Redis Cluster (?tls=1 for TLS)
+
+Options (``?name=value``): ``socket_timeout`` / ``connect_timeout`` (seconds, default 2 / 1),
+``fetch_bytes`` (reply bytes per round trip, default 2 MiB), ``client_name``, and for TLS
+``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (``none``/``optional``/``required``)
+and ``ssl_check_hostname``.
+
+Errors: a refused or reset connection, a timeout, ``CLUSTERDOWN``, ``MOVED``/``ASK`` and
+``LOADING`` mean "unavailable right now": the keys are misses and the store keeps going
+(:meth:`~datacache.stores.base.BaseStore._is_unavailable`). A wrong password or ACL user is
+reported when the URL is checked (``CachedImageNet(...)``, the CLI), as a
+:class:`~datacache.config.ConfigError` naming the server and what to fix; a server that is merely
+down at that moment is a warning (the cache fills once it is up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+from datacache.cacheurl import OptionSpec, StoreSpec, redact
+from datacache.config import ConfigError
+
+log = logging.getLogger("datacache.stores.redis")
+
+DEFAULT_FETCH_BYTES = 2 << 20
+CERT_REQS = ("none", "optional", "required")
+
+COMMON_OPTIONS: dict[str, OptionSpec] = {
+    "socket_timeout": OptionSpec("float", "seconds to wait for a reply (default 2)"),
+    "connect_timeout": OptionSpec("float", "seconds to wait for a connection (default 1)"),
+    "fetch_bytes": OptionSpec("bytes", "reply bytes per round trip (default 2MiB)", minimum=1),
+    "client_name": OptionSpec("str", "CLIENT SETNAME shown by CLIENT LIST"),
+    "ssl_ca_certs": OptionSpec("str", "CA bundle file (TLS)"),
+    "ssl_certfile": OptionSpec("str", "client certificate file (TLS)"),
+    "ssl_keyfile": OptionSpec("str", "client key file (TLS)"),
+    "ssl_cert_reqs": OptionSpec("str", "none, optional or required (TLS, default required)"),
+    "ssl_check_hostname": OptionSpec("bool", "check the server's hostname (TLS)"),
+}
+
+
+def split_userinfo(raw: str, url: str) -> tuple[str | None, str | None, str]:
+    """``user:pass@rest`` -> (user, password, rest); ``:pass@rest`` is a password without a user."""
+    if "@" not in raw:
+        return None, None, raw
+    info, _, rest = raw.rpartition("@")
+    user, sep, password = info.partition(":")
+    if not sep:
+        raise ConfigError(f"cache URL {redact(url)!r}: credentials must be user:password@ or :password@")
+    return (unquote(user) or None), unquote(password), rest
+
+
+def parse_hostport(text: str, url: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"cache URL {redact(url)!r}: {text!r} is not host:port (e.g. 127.0.0.1:6379)")
+    return host.strip("[]"), int(port)
+
+
+def standalone_location(raw: str, url: str) -> str:
+    """Validate ``[user:pass@]host:port[/db]`` (kept as given, db defaulted to 0)."""
+    _, _, rest = split_userinfo(raw, url)
+    hostport, _, db = rest.partition("/")
+    parse_hostport(hostport, url)
+    if db and not db.isdigit():
+        raise ConfigError(f"cache URL {redact(url)!r}: database {db!r} must be a number (redis://host:port/0)")
+    return raw if db else raw.rstrip("/") + "/0"
+
+
+def cluster_location(raw: str, url: str) -> str:
+    """Validate ``[user:pass@]h1:p1[,h2:p2...]``."""
+    _, _, rest = split_userinfo(raw, url)
+    if not rest or "/" in rest:
+        raise ConfigError(f"cache URL {redact(url)!r}: expected redis+cluster://host:port[,host:port...] "
+                          "(a cluster has no database number)")
+    for part in rest.split(","):
+        parse_hostport(part, url)
+    return raw
+
+
+def connection_kwargs(spec: StoreSpec, *, tls: bool) -> dict[str, Any]:
+    """redis-py keyword arguments (credentials, timeouts, TLS) for ``spec``; no retries inside redis-py:
+    a failed call is a miss for us, retried by the next batch, never a stall."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    user, password, _ = split_userinfo(spec.location, spec.url)
+    kw: dict[str, Any] = {
+        "username": user, "password": password,
+        "socket_timeout": spec.option("socket_timeout", 2.0),
+        "socket_connect_timeout": spec.option("connect_timeout", 1.0),
+        "retry": Retry(NoBackoff(), 0), "health_check_interval": 0,
+    }
+    if spec.option("client_name"):
+        kw["client_name"] = spec.option("client_name")
+    if tls:
+        reqs = spec.option("ssl_cert_reqs", "required")
+        if reqs not in CERT_REQS:
+            raise ConfigError(f"cache URL {spec.url!r}: ssl_cert_reqs={reqs!r} is not valid; choose one of "
+                              f"{', '.join(CERT_REQS)}")
+        kw.update(ssl=True, ssl_cert_reqs=reqs, ssl_check_hostname=spec.option("ssl_check_hostname", False))
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if spec.option(name):
+                kw[name] = spec.option(name)
+    return kw
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Connection-level failures, timeouts, a cluster that is down or whose slots moved, a loading node."""
+    import redis.exceptions as rex
+
+    if isinstance(exc, (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownError, rex.BusyLoadingError,
+                        ConnectionError, TimeoutError, OSError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, rex.ResponseError) and text.startswith(("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN",
+                                                                  "LOADING", "MASTERDOWN"))
+
+
+def is_auth_error(exc: BaseException) -> bool:
+    import redis.exceptions as rex
+
+    text = str(exc)
+    return isinstance(exc, (rex.AuthenticationError, rex.AuthorizationError, rex.NoPermissionError)) or any(
+        w in text for w in ("NOAUTH", "WRONGPASS", "NOPERM", "invalid username-password"))
+
+
+def advice(exc: BaseException, url: str) -> str:
+    """What to do about a Redis failure (used in the one warning per store and process)."""
+    text = str(exc)
+    if is_auth_error(exc):
+        return (f"Wrong password or ACL user for {url}: put the right user:password@ in the cache URL, or "
+                "grant the ACL user ~dc:* ~dcq:* ~dcd:* and +@read +@write.")
+    if "OOM" in text or "maxmemory" in text:
+        return ("Redis refuses writes at its memory budget (maxmemory with maxmemory-policy noeviction, the "
+                "default MinIO policy: the cache keeps what it has, the rest is served from the source). "
+                "Raise maxmemory, or use allkeys-lru when the dataset fits.")
+    if is_unavailable(exc):
+        return "The server is unreachable or its cluster is reconfiguring; retried on later batches."
+    return ""
+
+
+def check_credentials(client: Any, url: str) -> None:
+    """PING with ``client``: a wrong password / ACL user raises ConfigError; a server that is down warns."""
+    try:
+        client.ping()
+    except Exception as e:
+        if is_auth_error(e):
+            raise ConfigError(f"cache {url}: {type(e).__name__}: {e}. {advice(e, url)}") from None
+        log.warning("cache %s is not reachable now (%s: %s): lookups are misses (served from the source) "
+                    "until it is up", url, type(e).__name__, e)
+    finally:
+        with contextlib.suppress(Exception):  # closing a client that never connected is not worth a crash
+            client.close()

@@ -1,0 +1,133 @@
+"""``redis://`` and ``rediss://``: one Redis server as a sample store (redis-py, the ``[redis]`` extra).
+
+* ``get_many``: one pipeline of ``GET``s per chunk, its replies received into one buffer and returned
+  as zero-copy views (:mod:`datacache.stores.resp`); chunks are capped at ``fetch_bytes`` of expected
+  reply (2 MiB by default, :mod:`datacache.stores.base`), so a batch of 256 x 77 KB samples is ~10
+  round trips of ~2 MB, never one 20 MB reply that stalls the socket.
+* ``put_many``: ``SET key value NX`` (``SET`` when ``overwrite``) in one non-transactional pipeline
+  per call. A server at ``maxmemory`` with ``noeviction`` answers ``OOM`` per command: those writes
+  are counted in ``write_errors`` (one warning that says why), the others succeed.
+* ``contains``: ``EXISTS`` per key, pipelined.
+* Values are returned as ``bytes`` and treated as untrusted (:mod:`datacache.record` checks them;
+  nothing is unpickled).
+
+Per-process state (fork/spawn boundary): the redis-py client and its connection pool are created
+lazily in the process that uses them (pid-checked), never inherited by a DataLoader worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from datacache.cacheurl import StoreSpec
+from datacache.stores.base import BaseStore, Value
+from datacache.stores.redis_common import (
+    DEFAULT_FETCH_BYTES,
+    advice,
+    connection_kwargs,
+    is_unavailable,
+    parse_hostport,
+    split_userinfo,
+)
+from datacache.stores.resp import pipelined_get
+
+
+def server_info(client: Any) -> dict[str, Any]:
+    """Memory figures of one server: used/max memory, policy, keys, evictions and rejected writes."""
+    mem = client.info("memory")
+    stats = client.info("stats")
+    return {"used_memory": int(mem.get("used_memory", 0)), "maxmemory": int(mem.get("maxmemory", 0)),
+            "maxmemory_policy": mem.get("maxmemory_policy", ""), "keys": int(client.dbsize()),
+            "evicted_keys": int(stats.get("evicted_keys", 0))}
+
+
+class RedisStore(BaseStore):
+    """One Redis server (see the module docstring)."""
+
+    backend = "redis"
+    remote = True  # a network tier: TieredStore writes to it in the background
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+        self.tls = spec.scheme == "rediss"
+        _, _, rest = split_userinfo(spec.location, spec.url)
+        hostport, _, db = rest.partition("/")
+        self.host, self.port = parse_hostport(hostport, spec.url)
+        self.db = int(db or 0)
+        super().__init__(spec.url, fetch_bytes=spec.option("fetch_bytes", DEFAULT_FETCH_BYTES))
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._client: Any = None
+        self._pid = -1
+
+    def _process_attrs(self) -> tuple[str, ...]:
+        return (*super()._process_attrs(), "_client", "_pid")
+
+    def client(self) -> Any:
+        """This process's redis-py client (created on first use; see the module docstring)."""
+        if self._client is None or self._pid != os.getpid():
+            import redis
+
+            self._client = redis.Redis(host=self.host, port=self.port, db=self.db,
+                                       **connection_kwargs(self.spec, tls=self.tls))
+            self._pid = os.getpid()
+        return self._client
+
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        return is_unavailable(exc)
+
+    def _advice(self, exc: BaseException) -> str:
+        return advice(exc, self.url) or super()._advice(exc)
+
+    def expected_bytes(self, n: int) -> int:
+        """Reply bytes expected for ``n`` values (running mean, else the hint): sizes the read buffer."""
+        return int(n * (self._mean_value or self._value_hint))
+
+    def _get_many(self, keys: list[bytes]) -> list[Value | None]:
+        got = pipelined_get(self.client(), keys, self.expected_bytes(len(keys)))
+        errors = [r for r in got if isinstance(r, Exception)]
+        if errors:  # per-key errors (e.g. a LOADING server): those keys are misses
+            self._partial_failure("read", errors[0], len(errors))
+        return [None if isinstance(r, Exception) else r for r in got]
+
+    def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
+        pipe = self.client().pipeline(transaction=False)
+        for k, v in items:
+            pipe.set(k, v, nx=not overwrite)
+        return self._count_written(pipe.execute(raise_on_error=False))
+
+    def _count_written(self, replies: list[Any]) -> int:
+        """Writes that succeeded; per-command errors (OOM at maxmemory) are counted as write errors."""
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if errors:
+            self._partial_failure("write", errors[0], len(errors))
+        return sum(1 for r in replies if r is True)
+
+    def _contains(self, keys: list[bytes]) -> list[bool]:
+        pipe = self.client().pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(k)
+        return [r == 1 for r in pipe.execute(raise_on_error=False)]
+
+    def status_set(self, name: bytes, field: str, value: bytes) -> None:
+        """HSET of a daemon report (:mod:`datacache.fillstatus`); raises on failure (callers decide)."""
+        self.client().hset(name, field, value)
+
+    def status_get(self, name: bytes) -> dict[bytes, bytes]:
+        return dict(self.client().hgetall(name))
+
+    def _stats(self) -> dict[str, Any]:
+        info = server_info(self.client())
+        return {"entries": info["keys"], **info}
+
+    def _health(self) -> str:
+        self.client().ping()
+        return f"PONG from {self.host}:{self.port}/{self.db}"
+
+    def _close(self) -> None:
+        if self._client is not None and self._pid == os.getpid():
+            self._client.close()
+        self._client = None
