@@ -47,7 +47,7 @@ def test_config_errors_name_the_field_and_the_choices() -> None:
         make_config(optimizer="adam")
     with pytest.raises(ConfigError, match="allreduce, torus, naive_ag, hitopk"):
         make_config(comm="0:hitopk,5:ring")
-    with pytest.raises(ConfigError, match="resnet18, resnet50, small_resnet"):
+    with pytest.raises(ConfigError, match="resnet18, resnet50, small_resnet, small_resnet_cifar"):
         make_config(model="vgg")
     with pytest.raises(ConfigError, match="density"):
         make_config(density=0.0)
@@ -58,7 +58,7 @@ def test_config_errors_name_the_field_and_the_choices() -> None:
     with pytest.raises(ConfigError, match="unknown TrainConfig fields"):
         TrainConfig.from_dict({"learning_rate": 1})
     cfg = make_config(recipe="digits", lr=0.3)
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg and cfg.lr == 0.3 and cfg.model == "small_resnet"
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg and cfg.lr == 0.3 and cfg.model == "small_resnet_cifar"
 
 
 def test_dawnbench_recipe_has_the_papers_schedule_shape() -> None:

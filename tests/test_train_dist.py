@@ -21,7 +21,7 @@ METHODS = (("allreduce", 1.0), ("torus", 1.0), ("naive_ag", 1.0), ("hitopk", 1.0
 
 
 def _cfg(**kw):
-    base = dict(model="small_resnet", width=4, zero_init_residual=False, optimizer="sgd", lr=LR,
+    base = dict(model="small_resnet_cifar", width=4, zero_init_residual=False, optimizer="sgd", lr=LR,
                 lr_scaling="none", momentum=0.9, weight_decay=1e-4, device="cpu", progress=False,
                 selector="exact")
     return make_config(**{**base, **kw})
@@ -120,7 +120,7 @@ def test_resume_mid_epoch_reproduces_the_run_bit_for_bit(digits_data: dict, tmp_
     # with PTO, a loader worker per rank: the checkpoint at step 7 is mid-epoch 0
     cfg = make_config(
         data=digits_data["train"], val_data=digits_data["val"], cache=digits_data["cache"], short_side=32,
-        model="small_resnet", width=4, zero_init_residual=False, resolution="16", batch_size="32",
+        model="small_resnet_cifar", width=4, zero_init_residual=False, resolution="16", batch_size="32",
         epochs=2, steps_per_epoch=10, comm="0:naive_ag,1:allreduce", selector="mstopk", density=0.05,
         optimizer="lars", pto=True, lr=0.5, lr_scaling="none", warmup_epochs=0.5, label_smoothing=0.1,
         checkpoint_every=7, workers=1, device="cpu", progress=False, seed=3, out=str(tmp_path / "a"))

@@ -15,7 +15,7 @@ Recipes (``--recipe NAME``) are partial configs applied before the explicit flag
   label smoothing 0.1, linear warm-up then poly decay (power 2), ResNet-50, fp16 AMP on GPUs.
   The peak LR is a starting point to tune, not the paper's (which it does not state).
 * ``digits`` -- the real-data run on scikit-learn's digits (``python -m trainer digits``):
-  a small ResNet at 32 px, no flips (a mirrored digit is another symbol).
+  a small ResNet (CIFAR stem) at 32 px, no flips (a mirrored digit is another symbol).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class TrainConfig:
     workers: int = _f(2, "DataLoader worker processes per rank (they only cut crop windows)", "data")
     # model
     model: str = _f("resnet50", "network", "model", MODEL_CHOICES)
-    width: int = _f(16, "first-stage channels of small_resnet", "model")
+    width: int = _f(16, "first-stage channels of small_resnet(_cifar)", "model")
     zero_init_residual: bool = _f(True, "zero-initialise each residual block's last BatchNorm gamma (Goyal "
                                   "et al.; helps large batches, slows tiny short runs)", "model")
     # schedules
@@ -194,7 +194,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         warmup_epochs=2.0, warmup_start=0.01, decay="poly", poly_power=2.0, amp="auto",
         channels_last="auto"),
     "digits": dict(
-        model="small_resnet", width=16, zero_init_residual=False, short_side=32, resolution="32",
+        model="small_resnet_cifar", width=16, zero_init_residual=False, short_side=32, resolution="32",
         epochs=20, batch_size="64", optimizer="sgd", lr=0.1, lr_scaling="none", momentum=0.9,
         weight_decay=5e-4, warmup_epochs=1.0, decay="cosine", label_smoothing=0.1, crop_scale=0.5, flip=False,
         val_crop_fraction=1.0, workers=1),

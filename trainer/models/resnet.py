@@ -5,8 +5,9 @@ the stride-2 of a bottleneck sits on its 3x3 convolution), so a torchvision stat
 loads unchanged. ResNet-50 has 161 parameter tensors and 25,557,032 parameters.
 
 :func:`small_resnet` is the same network narrowed (``width`` channels in the first stage instead
-of 64, one block per stage) with a CIFAR-style stem (one 3x3 convolution of stride 1, no
-max-pool), for CPU runs and small images (the digits run, the CPU benchmarks).
+of 64, one block per stage), for CPU runs (the CPU training benchmark at 64 px); with
+``small_input=True`` its stem is CIFAR-style (one 3x3 convolution of stride 1, no max-pool), for
+images of ~32 px (the digits run).
 
 ``zero_init_residual=True`` zero-initialises the last BatchNorm gamma of every residual
 block (Goyal et al., "Accurate, Large Minibatch SGD"), so each block starts as identity.
@@ -159,9 +160,10 @@ def resnet50(num_classes: int = 1000, zero_init_residual: bool = False) -> ResNe
     return ResNet(Bottleneck, (3, 4, 6, 3), num_classes=num_classes, zero_init_residual=zero_init_residual)
 
 
-def small_resnet(num_classes: int = 1000, width: int = 16, zero_init_residual: bool = False) -> ResNet:
-    """A narrow ResNet for CPU runs and small images: BasicBlocks ``(1, 1, 1, 1)``, widths
-    ``width x (1, 2, 4, 8)``, 3x3 stride-1 stem, no max-pool (``width=16``: 308,826 parameters
-    with 10 classes)."""
+def small_resnet(num_classes: int = 1000, width: int = 16, zero_init_residual: bool = False,
+                 small_input: bool = False) -> ResNet:
+    """A narrow ResNet for CPU runs: BasicBlocks ``(1, 1, 1, 1)``, widths ``width x (1, 2, 4, 8)``,
+    the ImageNet stem (7x7 stride 2 + max-pool), or with ``small_input`` a 3x3 stride-1 stem and no
+    max-pool (``width=16``, 10 classes: 310,746 / 308,826 parameters)."""
     return ResNet(BasicBlock, (1, 1, 1, 1), num_classes=num_classes, zero_init_residual=zero_init_residual,
-                  widths=tuple(width * m for m in (1, 2, 4, 8)), small_input=True)
+                  widths=tuple(width * m for m in (1, 2, 4, 8)), small_input=small_input)
