@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -268,6 +269,15 @@ def _check_range(name: str, pair: tuple[float, float]) -> tuple[float, float]:
     return lo, hi
 
 
+def untag(data: Any) -> tuple[Any, Sequence[tuple[torch.Tensor, int]]]:
+    """``(request, samples)`` from a ``(BatchRequest, samples)`` pair (the output of
+    :class:`client.crop.TaggedDataset`), ``(None, data)`` for a plain list of samples."""
+    tagged = isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "indices")
+    if tagged and hasattr(data[0], "step"):
+        return data[0], data[1]
+    return None, data
+
+
 class SeededCollate:
     """Randomness and options shared by the augmenting ``collate_fn`` classes.
 
@@ -302,6 +312,14 @@ class SeededCollate:
         state["_gen_key"] = None
         return state
 
+    def unpack(self, data: Any) -> tuple[Any, Sequence[tuple[torch.Tensor, int]], torch.Generator | None]:
+        """``(request or None, samples, generator)`` for a plain list of samples or a
+        ``(BatchRequest, samples)`` pair from :class:`client.crop.TaggedDataset`."""
+        request, samples = untag(data)
+        if request is not None:
+            return request, samples, self._generator((request.epoch, request.step, request.rank))
+        return None, samples, self._generator()
+
     def _generator(self, tag: tuple[int, ...] | None = None) -> torch.Generator | None:
         if self.seed is None:
             return None
@@ -334,10 +352,11 @@ class AugmentCollate(SeededCollate):
         self.size = int(size)
         self.method = method
 
-    def __call__(self, batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        _, batch, generator = self.unpack(data)
         images = [item[0] for item in batch]
         labels = torch.tensor([int(item[1]) for item in batch], dtype=torch.int64)
-        out = random_resized_crop_flip(images, self.size, generator=self._generator(), scale=self.scale,
+        out = random_resized_crop_flip(images, self.size, generator=generator, scale=self.scale,
                                        ratio=self.ratio, flip_p=self.flip_p, method=self.method)
         return out, labels
 

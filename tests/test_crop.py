@@ -33,15 +33,9 @@ def _images(n: int, seed: int = 0, hmax: int = 60) -> list[torch.Tensor]:
             for h, w in zip(hs, ws)]
 
 
-def _windows(batch: CropBatch) -> list[torch.Tensor]:
-    """The valid part of each sample (the padding is uninitialised and never read)."""
-    return [batch.pixels[k, :h, :w] for k, (h, w) in enumerate(batch.windows.tolist())]
-
-
 def _same(a: CropBatch, b: CropBatch) -> bool:
-    same_pixels = all(torch.equal(x, y) for x, y in zip(_windows(a), _windows(b)))
-    return (same_pixels and torch.equal(a.offsets, b.offsets) and torch.equal(a.windows, b.windows)
-            and torch.equal(a.flips, b.flips))
+    return (torch.equal(a.pixels, b.pixels) and torch.equal(a.meta, b.meta)
+            and (a.hmax, a.wmax, a.size, a.epoch, a.step) == (b.hmax, b.wmax, b.size, b.epoch, b.step))
 
 
 def test_windows_are_exact_copies_of_the_drawn_boxes() -> None:
@@ -51,10 +45,17 @@ def test_windows_are_exact_copies_of_the_drawn_boxes() -> None:
     assert isinstance(batch, CropBatch) and len(batch) == 12 and batch.size == 0
     hp = max(b[2] for b in boxes)
     wp = max(b[3] for b in boxes)
-    assert batch.pixels.shape == (12, hp, wp, 3) and batch.pixels.dtype == torch.uint8
+    # packed: exactly the windows' bytes, back to back
+    assert batch.pixels.dtype == torch.uint8
+    assert batch.pixels.numel() == sum(3 * h * w for _, _, h, w in boxes)
+    assert (batch.hmax, batch.wmax) == (hp, wp)
+    padded = batch.padded()
+    assert padded.shape == (12, hp, wp, 3)
     for k, (img, (top, left, h, w)) in enumerate(zip(imgs, boxes)):
+        want = img[:, top:top + h, left:left + w].permute(1, 2, 0)
         assert batch.offsets[k].tolist() == [top, left] and batch.windows[k].tolist() == [h, w]
-        assert torch.equal(batch.pixels[k, :h, :w], img[:, top:top + h, left:left + w].permute(1, 2, 0))
+        assert torch.equal(batch.views()[k], want) and torch.equal(padded[k, :h, :w], want)
+        assert not padded[k, h:].any() and not padded[k, :, w:].any()  # zero padding
         assert batch.boxes[k].tolist() == [0.0, h, 0.0, w]  # the whole window becomes the output
     assert batch.flips.tolist() == flips and batch.labels.tolist() == list(range(12))
 
@@ -141,9 +142,10 @@ def test_center_crop_collate_and_bad_input() -> None:
     imgs = _images(5, seed=3)
     batch = CenterCropCollate(24)([(im, 1) for im in imgs])
     assert batch.size == 24 and not batch.flips.any() and batch.labels.tolist() == [1] * 5
+    views = batch.views()
     for k, img in enumerate(imgs):
         (top, left, wh, ww), box = center_crop_geometry(int(img.shape[1]), int(img.shape[2]), 24)
-        assert torch.equal(batch.pixels[k, :wh, :ww], img[:, top:top + wh, left:left + ww].permute(1, 2, 0))
+        assert torch.equal(views[k], img[:, top:top + wh, left:left + ww].permute(1, 2, 0))
         assert batch.boxes[k].tolist() == pytest.approx(list(box))
     with pytest.raises(ValueError, match="CropCollate needs at least one image"):
         CropCollate()([])
@@ -174,3 +176,4 @@ def test_pin_memory_and_to_device() -> None:  # pragma: no cover - GPU only
     assert pinned.pixels.is_pinned() and pinned.labels.is_pinned()
     dev = pinned.to("cuda", non_blocking=True)
     assert torch.equal(dev.pixels.cpu(), batch.pixels) and dev.flips.device.type == "cuda"
+    assert torch.equal(dev.padded().cpu(), batch.padded())  # the scatter on the GPU

@@ -70,7 +70,7 @@ def axis_weights(start: Tensor, extent: Tensor, window: Tensor, n_out: int, n_in
 def resize_matmul(batch: CropBatch, size: int) -> Tensor:
     """Resize (and flip) every box of ``batch`` to ``size x size``: float32 ``[B, 3, S, S]`` in
     pixel units (0..255, not rounded), on the batch's device. Two batched GEMMs."""
-    pix = batch.pixels
+    pix = batch.padded()  # [B, Hmax, Wmax, 3]: one scatter on the device
     n, hp, wp, _ = pix.shape
     b = batch.boxes
     wy = axis_weights(b[:, 0], b[:, 1], batch.windows[:, 0], size, hp)
@@ -87,9 +87,9 @@ def resize_interpolate(batch: CropBatch, size: int) -> Tensor:
     if batch.size != 0:
         raise ValueError("resize_interpolate needs whole-window boxes (training batches, size 0); "
                          "use resize_matmul for validation batches")
-    hw = batch.windows.tolist()
-    images = [batch.pixels[k, :h, :w].permute(2, 0, 1) for k, (h, w) in enumerate(hw)]
-    boxes = [(0, 0, h, w) for h, w in hw]
+    views = batch.views()  # [h, w, 3] views of the packed windows
+    images = [v.permute(2, 0, 1) for v in views]
+    boxes = [(0, 0, int(v.shape[0]), int(v.shape[1])) for v in views]
     if batch.pixels.device.type == "cpu":
         out = _new_batch(len(images), size)
     else:  # same channels_last uint8 layout on the device
