@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     if torch.cuda.is_available():  # pragma: no cover - GPU only
         from bench.train_gpu import gpu_part
 
-        gpu_part(ds, machine)
+        gpu_part(url, "lmdb://" + cache_dir, {"latency_ms": LATENCY_MS, "mbps": MBPS}, machine)
 
 
 def _plot(path: Any, results: dict[str, Any]) -> None:
