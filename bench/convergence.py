@@ -74,7 +74,7 @@ def _epochs(out: str) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=None,
-                    help="epochs per run (default: the digits recipe's 20)")
+                    help="epochs per run (default: the digits recipe's 30)")
     ap.add_argument("--quick", action="store_true", help="2 epochs, no PTO comparison (smoke run)")
     ap.add_argument("--no-pto", action="store_true", help="skip the LARS vs PTO-LARS runs")
     args = ap.parse_args(argv)

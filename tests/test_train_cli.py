@@ -40,7 +40,7 @@ def test_digits_render_holds_the_datasets_pixels(digits_data: dict, tmp_path) ->
     d = load_digits()
     files = {}
     for split in ("train", "val"):
-        for c in os.listdir(os.path.join(digits_data[split], "..", split)):
+        for c in os.listdir(digits_data[split]):
             for name in os.listdir(os.path.join(digits_data[split], c)):
                 files[int(name.split(".")[0])] = (split, int(c), os.path.join(digits_data[split], c, name))
     assert sorted(files) == list(range(1797))
@@ -82,10 +82,12 @@ def test_short_digits_run_under_torchrun_reaches_a_sane_accuracy(digits_data: di
 
 
 @pytest.mark.slow
-def test_sweep_runs_two_and_later_start_warm(digits_data: dict, tmp_path) -> None:
+def test_sweep_under_torchrun_second_run_starts_warm(digits_data: dict, tmp_path) -> None:
     out = str(tmp_path / "sweep")
     cache = "lmdb://" + str(tmp_path / "cold-cache")  # run 1 fills it
-    cmd = [sys.executable, "-m", "trainer", "sweep", "--grid", "lr=0.05,0.1", "--recipe", "digits",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer", "sweep", "--grid", "lr=0.05,0.1",
+           "--recipe", "digits",
            "--data", digits_data["train"], "--cache", cache, "--device", "cpu", "--epochs", "1",
            "--steps-per-epoch", "4", "--width", "4", "--resolution", "16", "--val-every", "0", "--out", out,
            "--no-progress", "--workers", "0"]
@@ -93,6 +95,7 @@ def test_sweep_runs_two_and_later_start_warm(digits_data: dict, tmp_path) -> Non
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = [_records(os.path.join(out, d))[0] for d in sorted(os.listdir(out))]
     assert [r["lr"] > 0 for r in first] == [True, True] and len(first) == 2
+    # 2 ranks x 4 steps x 32 samples
     assert first[0]["cache_misses"] == 4 * 64 and first[0]["decoded"] == 4 * 64  # run 1: cold
     assert first[1]["cache_misses"] == 0 and first[1]["cache_hits"] == 4 * 64    # run 2: warm from its start
     assert "sweep summary" in proc.stdout and "samples/s" in proc.stdout
@@ -114,6 +117,12 @@ def test_checkpoint_resolution_and_refusals(tmp_path) -> None:
     assert (loaded.pos.epoch, loaded.pos.step, loaded.pos.global_step) == (1, 4, 14)
     assert loaded.comm == {"step": 14}
     checkpoint.check_resumable(loaded, {**sched, "lr": 0.05}, 2, d)  # the LR is recomputed: fine
+    for step in (20, 30, 40):  # keep=2: the oldest go once `latest` moved past them
+        last = checkpoint.save(out, rank=0, pos=checkpoint.Position(2, 0, step), model=model, optimizer=opt,
+                               scaler=None, comm_state={}, schedules=sched, config_json="{}", world_size=2,
+                               keep=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step00000030", "step00000040"]
+    assert checkpoint.resolve("auto", out) == last
     with pytest.raises(ConfigError, match="saved mid-epoch with 2 ranks, now 4"):
         checkpoint.check_resumable(loaded, sched, 4, d)
     with pytest.raises(ConfigError, match="schedules differ"):

@@ -125,8 +125,9 @@ def test_cli_help_flags_and_errors(capsys) -> None:
     assert "comm" in capsys.readouterr().err
     assert main(["--device", "cpu", "--cache", "memory://"]) == 2  # no --data
     assert "--data" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         main(["--optimizer", "adam"])  # argparse lists the choices
+    assert e.value.code == 2 and "choose from" in capsys.readouterr().err
 
 
 def test_sweep_grid_product() -> None:
@@ -151,3 +152,21 @@ def test_model_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
     b = make_model(cfg, 10, torch.device("cpu"))
     assert torch.equal(before, torch.get_rng_state())
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_amp_and_memory_format_choices() -> None:
+    from trainer.setup import channels_last, make_amp, make_model
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match="amp=fp16 needs CUDA"):
+        make_amp(make_config(amp="fp16"), cpu)
+    assert make_amp(make_config(amp="auto"), cpu).dtype is None  # auto: fp16 on CUDA, off on a CPU
+    bf16 = make_amp(make_config(amp="bf16"), cpu)
+    assert bf16.scaler is None  # bf16 keeps fp32's exponent range: no loss scaling
+    model = make_model(make_config(model="small_resnet_cifar", width=4, channels_last="on"), 10, cpu)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    with bf16.autocast():
+        assert model(x).dtype == torch.bfloat16
+    assert channels_last(make_config(), cuda) and not channels_last(make_config(), cpu)
+    assert not channels_last(make_config(channels_last="off"), cuda)

@@ -123,7 +123,8 @@ def test_resume_mid_epoch_reproduces_the_run_bit_for_bit(digits_data: dict, tmp_
         model="small_resnet_cifar", width=4, zero_init_residual=False, resolution="16", batch_size="32",
         epochs=2, steps_per_epoch=10, comm="0:naive_ag,1:allreduce", selector="mstopk", density=0.05,
         optimizer="lars", pto=True, lr=0.5, lr_scaling="none", warmup_epochs=0.5, label_smoothing=0.1,
-        checkpoint_every=7, workers=1, device="cpu", progress=False, seed=3, out=str(tmp_path / "a"))
+        checkpoint_every=7, keep_checkpoints=0, workers=1, device="cpu", progress=False, seed=3,
+        out=str(tmp_path / "a"))
     full = run_distributed(_train_rank, world_size=2, local_size=1, args=(cfg.to_dict(),))
     ckpt = tmp_path / "a" / "checkpoints" / "step00000007"
     assert (ckpt / "train.pt").exists() and (ckpt / "comm_rank1.pt").exists()

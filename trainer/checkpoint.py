@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,9 @@ def checkpoint_dir(out: str, global_step: int) -> str:
 
 def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler | None, comm_state: dict[str, Any], schedules: dict[str, Any],
-         config_json: str, world_size: int) -> str:
-    """Write this rank's part of the checkpoint at ``pos`` (COLLECTIVE: every rank calls it)."""
+         config_json: str, world_size: int, keep: int = 0) -> str:
+    """Write this rank's part of the checkpoint at ``pos`` (COLLECTIVE: every rank calls it); with
+    ``keep`` > 0 rank 0 then deletes all but the newest ``keep`` complete checkpoints."""
     d = checkpoint_dir(out, pos.global_step)
     os.makedirs(d, exist_ok=True)
     _atomic_save(comm_state, os.path.join(d, f"comm_rank{rank}.pt"))
@@ -71,7 +73,16 @@ def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimize
         with open(tmp, "w") as f:
             f.write(os.path.basename(d) + "\n")
         os.replace(tmp, os.path.join(out, "checkpoints", "latest"))
+        if keep > 0:
+            _prune(os.path.join(out, "checkpoints"), keep)
     return d
+
+
+def _prune(root: str, keep: int) -> None:
+    """Delete the oldest ``stepNNNNNNNN`` directories beyond the newest ``keep`` (after ``latest`` moved)."""
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit())
+    for old in steps[:-keep]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def resolve(resume: str, out: str) -> str | None:

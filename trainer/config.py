@@ -112,6 +112,7 @@ class TrainConfig:
     seed: int = _f(0, "seed of model init, sample order and augmentation", "run")
     out: str = _f("runs/train", "directory for metrics.jsonl and checkpoints", "run")
     checkpoint_every: int = _f(0, "also checkpoint every N steps (0: at epoch ends only)", "run")
+    keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0: all)", "run")
     resume: str = _f("", "checkpoint to resume from: a file, or 'auto' (the newest in --out)", "run")
     val_every: int = _f(1, "validate every N epochs (0: never)", "run")
     progress: bool = _f(True, "progress bar on rank 0", "run")
@@ -124,7 +125,8 @@ class TrainConfig:
             if choices and value not in choices:
                 raise ConfigError(f"{f.name}={value!r}; choose one of {', '.join(choices)}")
         positive = ("short_side", "width", "epochs", "lr_ref_batch")
-        non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "val_every", "threads")
+        non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "val_every", "threads",
+                        "keep_checkpoints")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; must be a positive integer")
@@ -195,7 +197,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         channels_last="auto"),
     "digits": dict(
         model="small_resnet_cifar", width=16, zero_init_residual=False, short_side=32, resolution="32",
-        epochs=20, batch_size="64", optimizer="sgd", lr=0.1, lr_scaling="none", momentum=0.9,
+        epochs=30, batch_size="64", optimizer="sgd", lr=0.1, lr_scaling="none", momentum=0.9,
         weight_decay=5e-4, warmup_epochs=1.0, decay="cosine", label_smoothing=0.1, crop_scale=0.5, flip=False,
         val_crop_fraction=1.0, workers=1),
 }

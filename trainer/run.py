@@ -161,7 +161,7 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
             for buf in model.buffers():  # every rank evaluates rank 0's BatchNorm statistics
                 dist.broadcast(buf, 0)
             vl = val_loader(data.val, data.val_idx, res, world_size=world, rank=rank,
-                            batch_size=max(1, gbs // world), workers=min(cfg.workers, 1),
+                            batch_size=max(1, gbs // world), workers=cfg.workers,
                             crop_fraction=cfg.val_crop_fraction, pin_memory=device.type == "cuda")
             v = validate(model, vl, ctx.augment, device, res, amp)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
@@ -192,5 +192,5 @@ def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, 
           schedules: dict[str, Any]) -> None:
     checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
                     scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
-                    config_json=cfg.to_json(), world_size=info.world_size)
+                    config_json=cfg.to_json(), world_size=info.world_size, keep=cfg.keep_checkpoints)
     log.info("checkpoint %s", os.path.join(cfg.out, "checkpoints", f"step{pos.global_step:08d}"))
