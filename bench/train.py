@@ -56,7 +56,7 @@ from client.dataset import CachedImageNet
 from datacache.config import user_cache_dir
 from datacache.manifest import Manifest
 from trainer.config import make_config
-from trainer.data import DistributedBatchSampler, train_loader
+from trainer.data import DistributedBatchSampler, train_loader, worker_context
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import init_distributed
 from trainer.loop import StepContext, train_epoch
@@ -115,8 +115,10 @@ class CopyWindowCollate:
 
 
 def _loader(ds: Any, sampler: Any, collate: Any, workers: int) -> DataLoader:
+    # workers start like the trainer's (a forkserver: this process is multithreaded by then)
     return DataLoader(TaggedDataset(ds), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
-                      persistent_workers=True, worker_init_fn=_worker_init, prefetch_factor=4)
+                      persistent_workers=True, worker_init_fn=_worker_init, prefetch_factor=4,
+                      multiprocessing_context=worker_context())
 
 
 def _loader_rate(loader: DataLoader, sampler: DistributedBatchSampler, epoch: int,

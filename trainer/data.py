@@ -117,6 +117,26 @@ class ShardSampler:
             yield BatchRequest(tuple(self.indices[k:k + self.batch_size]), -1, step)
 
 
+# Process boundary: how loader workers start. A rank is multithreaded by the time it needs
+# workers (gloo's threads, the queue feeder threads of a running loader, tqdm's monitor), and
+# fork()ing a multithreaded CPython can leave the child waiting forever for a lock another thread
+# held at that instant -- seen here once in ~200 validation loaders forked mid-run (the child
+# stuck in PyOS_AfterFork_Child). So workers come from a forkserver: a clean single-threaded
+# process started once per rank that imports torch and the loader modules up front, from which
+# every worker is forked; the dataset and the collate are pickled to it (CachedImageNet ships
+# its manifest and shared-memory counters, never open handles).
+WORKER_START = "forkserver"
+_PRELOAD = ["torch", "numpy", "client.dataset", "client.crop"]
+
+
+def worker_context() -> Any:
+    """The multiprocessing context of the trainer's loader workers (see ``WORKER_START``)."""
+    ctx = torch.multiprocessing.get_context(WORKER_START)
+    if WORKER_START == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _worker_init(_: int) -> None:
     # Worker-process boundary: workers only slice and copy; torch intra-op threads in each
     # worker would just compete with the training process for the cores.
@@ -130,15 +150,17 @@ def train_loader(dataset: Any, sampler: DistributedBatchSampler, *, workers: int
     return DataLoader(TaggedDataset(dataset), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
                       pin_memory=pin_memory, persistent_workers=workers > 0,
                       worker_init_fn=_worker_init if workers > 0 else None,
+                      multiprocessing_context=worker_context() if workers > 0 else None,
                       prefetch_factor=4 if workers > 0 else None)
 
 
 def val_loader(dataset: Any, indices: Sequence[int], size: int, *, world_size: int, rank: int,
                batch_size: int, workers: int, crop_fraction: float = 0.875,
                pin_memory: bool = False) -> DataLoader:
-    """Loader of centre-crop windows for output ``size`` (workers start per pass: validation is
-    rare and its size changes with progressive resizing)."""
+    """Persistent-worker loader of centre-crop windows for output ``size`` (one per resolution of
+    the schedule: its workers start at the first validation at that size and are reused)."""
     sampler = ShardSampler(indices, world_size, rank, batch_size)
     return DataLoader(TaggedDataset(dataset), batch_sampler=sampler, num_workers=workers,
                       collate_fn=CenterCropCollate(size, crop_fraction), pin_memory=pin_memory,
-                      worker_init_fn=_worker_init if workers > 0 else None)
+                      persistent_workers=workers > 0, worker_init_fn=_worker_init if workers > 0 else None,
+                      multiprocessing_context=worker_context() if workers > 0 else None)

@@ -135,6 +135,7 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
     logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),
                  train_samples=len(data.train_idx), val_samples=len(data.val_idx), resumed_from=path)
     result = RunResult(model=model, resumed_from=path)
+    val_loaders: dict[int, Any] = {}  # one persistent loader per resolution
     for epoch in range(start_epoch, cfg.epochs):
         res = cfg.resolution_schedule.at(epoch)
         gbs = cfg.global_batch(epoch, world)
@@ -160,10 +161,12 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
         if cfg.val_every and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs) and data.val_idx:
             for buf in model.buffers():  # every rank evaluates rank 0's BatchNorm statistics
                 dist.broadcast(buf, 0)
-            vl = val_loader(data.val, data.val_idx, res, world_size=world, rank=rank,
-                            batch_size=max(1, gbs // world), workers=cfg.workers,
-                            crop_fraction=cfg.val_crop_fraction, pin_memory=device.type == "cuda")
-            v = validate(model, vl, ctx.augment, device, res, amp)
+            if res not in val_loaders:
+                val_loaders[res] = val_loader(data.val, data.val_idx, res, world_size=world, rank=rank,
+                                              batch_size=max(1, gbs // world), workers=cfg.workers,
+                                              crop_fraction=cfg.val_crop_fraction,
+                                              pin_memory=device.type == "cuda")
+            v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
         _save(cfg, info, model, ctx, checkpoint.Position(epoch + 1, 0, gstep),
               _schedules(cfg, epoch, world, steps, stats.lr))
