@@ -90,7 +90,7 @@ def test_sweep_under_torchrun_second_run_starts_warm(digits_data: dict, tmp_path
            "--recipe", "digits",
            "--data", digits_data["train"], "--cache", cache, "--device", "cpu", "--epochs", "1",
            "--steps-per-epoch", "4", "--width", "4", "--resolution", "16", "--val-every", "0", "--out", out,
-           "--no-progress", "--workers", "0"]
+           "--no-progress", "--workers", "0", "--amp", "bf16"]  # bf16 autocast on the CPU too
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = [_records(os.path.join(out, d))[0] for d in sorted(os.listdir(out))]

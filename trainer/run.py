@@ -98,7 +98,8 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
     data = open_data(cfg)
     model = make_model(cfg, len(data.train.classes), device)
     path = checkpoint.resolve(cfg.resume, cfg.out)
-    loaded = checkpoint.load(path, rank, world, map_location=device) if path else None
+    # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
+    loaded = checkpoint.load(path, rank, world, map_location="cpu") if path else None
     if loaded is not None:
         model.load_state_dict(loaded.train["model"])
     ddp, state = make_ddp(model, cfg, device)
