@@ -48,7 +48,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
-from bench.common import RESULTS_DIR, machine_info, print_machine, write_results
+from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
 from bench.loader import ensure_dataset
 from client.augment import AugmentCollate, rrc_params, untag
 from client.crop import TaggedDataset, pack_windows
@@ -285,10 +285,7 @@ def _plot(path: Any, results: dict[str, Any]) -> None:
         ax.set_title(title)
         for b, v in zip(bars, vals):
             ax.annotate(f"{v:.0f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
