@@ -170,3 +170,15 @@ def test_amp_and_memory_format_choices() -> None:
         assert model(x).dtype == torch.bfloat16
     assert channels_last(make_config(), cuda) and not channels_last(make_config(), cpu)
     assert not channels_last(make_config(channels_last="off"), cuda)
+
+
+def test_console_script_points_at_the_cli() -> None:
+    import importlib
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml")) as f:  # [project.scripts] (tomllib needs 3.11)
+        target = re.search(r'^datacache-train = "([\w.]+):(\w+)"$', f.read(), re.M)
+    assert target is not None
+    assert getattr(importlib.import_module(target.group(1)), target.group(2)) is main
