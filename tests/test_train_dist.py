@@ -139,3 +139,30 @@ def test_resume_mid_epoch_reproduces_the_run_bit_for_bit(digits_data: dict, tmp_
     # the method switch happened in both, and validation after the last epoch agrees
     assert [e["comm_method"] for e in full[0]["epochs"]] == ["naive_ag", "allreduce"]
     assert resumed[0]["epochs"][-1]["val_top1"] == full[0]["epochs"][-1]["val_top1"]
+
+
+def _cuda_amp_rank(rank: int, world: int) -> dict:  # pragma: no cover - GPU only
+    from trainer.device_augment import DeviceAugment
+    from trainer.loop import StepContext, train_step
+    from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = _cfg(comm="hitopk", density=0.05, amp="fp16", channels_last="auto", device="cuda")
+    model = make_model(cfg, 10, dev)
+    ddp, state = make_ddp(model, cfg, dev)
+    amp = make_amp(cfg, dev)
+    ctx = StepContext(ddp, make_optimizer(cfg, model), state, amp, nn.CrossEntropyLoss(),
+                      DeviceAugment(memory_format=torch.channels_last), dev, cfg.lr_schedule)
+    losses = []
+    for step in range(3):
+        x, y = _batch(step, rank)
+        loss, _ = train_step(ctx, x.to(dev).contiguous(memory_format=torch.channels_last), y.to(dev), LR)
+        losses.append(float(loss))
+    return {"losses": losses, "scale": float(amp.scaler.get_scale()),
+            "channels_last": model.conv1.weight.is_contiguous(memory_format=torch.channels_last)}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="fp16 AMP with GradScaler needs a CUDA device")
+def test_fp16_amp_with_grad_scaler_on_cuda() -> None:  # pragma: no cover - GPU only
+    res = run_distributed(_cuda_amp_rank, world_size=1, local_size=1, backend="nccl")[0]
+    assert all(np.isfinite(res["losses"])) and res["scale"] > 0 and res["channels_last"]
