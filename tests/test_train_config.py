@@ -121,8 +121,10 @@ def test_cli_help_flags_and_errors(capsys) -> None:
     out = capsys.readouterr().out
     for flag in ("--comm", "--resolution", "--batch-size", "--recipe", "--amp", "--resume", "--pto"):
         assert flag in out
-    assert main(["--recipe", "digits", "--optimizer", "lars", "--comm", "0:hitopk,x:torus"]) == 2
-    assert "comm" in capsys.readouterr().err
+    assert main(["--recipe", "digits", "--optimizer", "lars", "--comm", "0:hitopk,5:ring"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1  # one line, no traceback
+    assert "comm method 'ring'; choose one of allreduce, torus, naive_ag, hitopk" in err
     assert main(["--device", "cpu", "--cache", "memory://"]) == 2  # no --data
     assert "--data" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
