@@ -83,6 +83,19 @@ def write_results(
     return path
 
 
+def save_figure(fig: Any, path: Path | str) -> Path:
+    """Save a matplotlib figure as a PNG (tight layout, 110 dpi), close it and say where."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    print(f"wrote {p}")
+    return p
+
+
 def bar_chart(
     path: Path | str,
     labels: Sequence[str],
@@ -106,10 +119,4 @@ def bar_chart(
     if annotate:
         for b, v in zip(bars, values):
             ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    print(f"wrote {p}")
-    return p
+    return save_figure(fig, path)

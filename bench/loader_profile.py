@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from client.augment import _new_batch, _resize_interpolate, rrc_params_batch
+from client.augment import _new_batch, resize_crops, rrc_params_batch
 from client.dataset import CachedImageNet
 from client.storeio import to_chw_tensor
 from datacache.record import decode_record
@@ -67,7 +67,7 @@ def profile_stages(ds: CachedImageNet, batch: int, size: int,
         t = lap("shared_batch_first_touch", t)
         del storage
         t = time.perf_counter()
-        _resize_interpolate(imgs, boxes, flips, size, out=reuse[:len(imgs)])
+        resize_crops(imgs, boxes, flips, size, out=reuse[:len(imgs)])
         t = lap("resize_flip", t)
         copy_windows(imgs, reuse[:len(imgs)])
         lap("copy_window_ceiling", t)

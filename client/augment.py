@@ -33,13 +33,17 @@ and whose long side varies. Training wants one fixed-size ``uint8 [B, 3, S, S]``
   batch with 3-byte strides and cost 9-16 ms per batch, as much as all the resizes.
 
 :class:`AugmentCollate` is a ``collate_fn`` for ``torch.utils.data.DataLoader``: it runs in
-the DataLoader worker processes, so augmentation is parallel across workers.
+the DataLoader worker processes, so augmentation is parallel across workers. The trainer splits
+the work instead: :class:`client.crop.CropCollate` only cuts the crop windows in the workers
+(same draws, :func:`draw_crops`) and the resize runs batched on the device
+(:mod:`trainer.device_augment`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,14 +132,30 @@ def rrc_params_batch(sizes: Sequence[tuple[int, int]], generator: torch.Generato
     return boxes  # type: ignore[return-value]
 
 
+def draw_crops(images: Sequence[torch.Tensor], generator: torch.Generator | None,
+               scale: tuple[float, float], ratio: tuple[float, float],
+               flip_p: float) -> tuple[list[tuple[int, int, int, int]], list[bool]]:
+    """The random part of RRC + flip for a batch: ``(boxes, flips)``, boxes as ``(top, left, h, w)``.
+
+    The draws (in this order: :func:`rrc_params_batch`, then one ``torch.rand(n)`` for the flips)
+    are shared by the CPU path (:func:`random_resized_crop_flip`) and the host-crop path
+    (:class:`client.crop.CropCollate`), so both give the same boxes and flips for one generator.
+    """
+    sizes = [(int(img.shape[1]), int(img.shape[2])) for img in images]
+    boxes = rrc_params_batch(sizes, generator, scale, ratio)
+    flips = (torch.rand(len(images), generator=generator) < flip_p).tolist()
+    return boxes, flips
+
+
 def _check_method(method: str) -> None:
     if method not in METHODS:
         raise ConfigError(f"method={method!r} is not valid; choose one of {', '.join(METHODS)}")
 
 
-def _check_images(images: Sequence[torch.Tensor]) -> None:
+def check_images(images: Sequence[torch.Tensor], who: str = "random_resized_crop_flip") -> None:
+    """``ValueError`` unless ``images`` is a non-empty list of uint8 ``[3, H, W]`` tensors."""
     if len(images) == 0:
-        raise ValueError("random_resized_crop_flip needs at least one image")
+        raise ValueError(f"{who} needs at least one image")
     for k, img in enumerate(images):
         if img.dim() != 3 or img.shape[0] != 3 or img.dtype != torch.uint8:
             raise ValueError(f"image {k}: expected a uint8 [3, H, W] tensor, got {img.dtype} "
@@ -148,27 +168,33 @@ _AA = getattr(torch._C._nn, "_upsample_bilinear2d_aa", None)
 _NOAA = getattr(torch._C._nn, "upsample_bilinear2d", None)
 
 
-def _new_batch(n: int, size: int) -> torch.Tensor:
-    """Allocate the ``uint8 [n, 3, size, size]`` channels_last output batch.
+def shared_uint8(numel: int) -> torch.Tensor:
+    """A flat ``uint8`` tensor of ``numel`` bytes, in shared memory inside a DataLoader worker.
 
-    Process boundary: inside a DataLoader worker the batch is allocated in shared memory
-    (as torch's default_collate does), so sending it to the main process moves a file
-    descriptor instead of copying 12 MB through a pipe.
+    Process boundary: a batch a worker returns travels to the main process; allocated in shared
+    memory (as torch's default_collate does), it moves as a file descriptor instead of being
+    copied through a pipe. In the main process it is ordinary memory.
     """
-    numel = n * 3 * size * size
     if torch.utils.data.get_worker_info() is not None:
         storage = torch.UntypedStorage._new_shared(numel)
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (numel,), (1,))
-    else:
-        flat = torch.empty(numel, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (numel,), (1,))
+    return torch.empty(numel, dtype=torch.uint8)
+
+
+def _new_batch(n: int, size: int) -> torch.Tensor:
+    """Allocate the ``uint8 [n, 3, size, size]`` channels_last output batch (shared memory in a
+    DataLoader worker, :func:`shared_uint8`)."""
+    flat = shared_uint8(n * 3 * size * size)
     # memory order N, H, W, C == channels_last strides for the logical N, C, H, W shape
     return flat.view(n, size, size, 3).permute(0, 3, 1, 2)
 
 
-def _resize_interpolate(images: Sequence[torch.Tensor], boxes: list[tuple[int, int, int, int]],
+def resize_crops(images: Sequence[torch.Tensor], boxes: list[tuple[int, int, int, int]],
                         flips: list[bool], size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Resize every crop into its slot of ``out`` (default: a new :func:`_new_batch`), flipping
-    the chosen ones; ``out`` must be a channels_last ``uint8 [n, 3, size, size]`` batch."""
+    """Resize every crop ``(top, left, h, w)`` of ``images`` (uint8 CHW, ideally views of HWC
+    memory) into its slot of ``out`` (default: a new :func:`_new_batch`), flipping the chosen
+    ones; ``out`` must be a channels_last ``uint8 [n, 3, size, size]`` batch. Antialiased
+    bilinear (Pillow's filter) when shrinking. The trainer's CPU device-resize uses it too."""
     if out is None:
         out = _new_batch(len(images), size)
     slots = out.split(1)  # [1, 3, S, S] channels_last views of the batch, made in one call
@@ -229,20 +255,33 @@ def random_resized_crop_flip(images: Sequence[torch.Tensor], size: int, *,
     different heights and widths. ``method`` is one of :data:`METHODS`.
     """
     _check_method(method)
-    _check_images(images)
-    sizes = [(int(img.shape[1]), int(img.shape[2])) for img in images]
-    boxes = rrc_params_batch(sizes, generator, scale, ratio)
-    flips = (torch.rand(len(images), generator=generator) < flip_p).tolist()
+    check_images(images)
+    boxes, flips = draw_crops(images, generator, scale, ratio, flip_p)
     if method == "grid":
         return _resize_grid(images, boxes, flips, size)
-    return _resize_interpolate(images, boxes, flips, size)
+    return resize_crops(images, boxes, flips, size)
 
 
-class AugmentCollate:
-    """``collate_fn`` turning ``[(uint8 CHW tensor, label), ...]`` into ``(uint8 [B,3,S,S], int64 [B])``.
+def _check_range(name: str, pair: tuple[float, float]) -> tuple[float, float]:
+    lo, hi = (float(v) for v in pair)
+    if not (0 < lo <= hi):
+        raise ConfigError(f"{name}={pair!r}: expected (low, high) with 0 < low <= high")
+    return lo, hi
 
-    Runs inside DataLoader workers (it is a small picklable object, fine for spawn), so the
-    crop/resize work is spread across them. Randomness:
+
+def untag(data: Any) -> tuple[Any, Sequence[tuple[torch.Tensor, int]]]:
+    """``(request, samples)`` from a ``(BatchRequest, samples)`` pair (the output of
+    :class:`client.crop.TaggedDataset`), ``(None, data)`` for a plain list of samples."""
+    tagged = isinstance(data, tuple) and len(data) == 2 and hasattr(data[0], "indices")
+    if tagged and hasattr(data[0], "step"):
+        return data[0], data[1]
+    return None, data
+
+
+class SeededCollate:
+    """Randomness and options shared by the augmenting ``collate_fn`` classes.
+
+    Randomness:
 
     * ``seed=None``: the process's global torch RNG. DataLoader seeds each worker's RNG from
       ``base_seed + worker_id`` with a fresh ``base_seed`` per epoch drawn from the main
@@ -250,18 +289,20 @@ class AugmentCollate:
       ``torch.manual_seed`` / ``generator=`` and epochs differ.
     * ``seed=int``: a private generator per process, seeded from ``seed`` and (inside a worker)
       the worker's DataLoader seed, so it is also independent of other global RNG use.
+    * ``seed=int`` and a batch that names itself (``(epoch, step, rank)``, as the trainer's batch
+      sampler does, :class:`client.crop.BatchRequest`): a fresh generator per batch seeded from
+      those numbers only, so a batch's crops do not depend on which worker made it or on what
+      that worker did before -- what a bit-exact mid-epoch resume needs.
     """
 
-    def __init__(self, size: int, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
-                 method: str = "interpolate") -> None:
-        _check_method(method)
-        self.size = int(size)
+    def __init__(self, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5) -> None:
         self.seed = seed
-        self.scale = scale
-        self.ratio = ratio
-        self.flip_p = flip_p
-        self.method = method
+        self.scale = _check_range("scale", scale)
+        self.ratio = _check_range("ratio", ratio)
+        if not 0.0 <= float(flip_p) <= 1.0:
+            raise ConfigError(f"flip_p={flip_p!r}: expected a probability in [0, 1]")
+        self.flip_p = float(flip_p)
         self._gen: torch.Generator | None = None
         self._gen_key: int | None = None
 
@@ -271,9 +312,22 @@ class AugmentCollate:
         state["_gen_key"] = None
         return state
 
-    def _generator(self) -> torch.Generator | None:
+    def unpack(self, data: Any) -> tuple[Any, Sequence[tuple[torch.Tensor, int]], torch.Generator | None]:
+        """``(request or None, samples, generator)`` for a plain list of samples or a
+        ``(BatchRequest, samples)`` pair from :class:`client.crop.TaggedDataset`."""
+        request, samples = untag(data)
+        if request is not None:
+            return request, samples, self._generator((request.epoch, request.step, request.rank))
+        return None, samples, self._generator()
+
+    def _generator(self, tag: tuple[int, ...] | None = None) -> torch.Generator | None:
         if self.seed is None:
             return None
+        if tag is not None:  # a per-batch stream: depends on (seed, tag) only
+            mixed = int(self.seed)
+            for v in tag:
+                mixed = (mixed * 1_000_003 + int(v) + 7919) % (2**61 - 1)
+            return torch.Generator().manual_seed(mixed)
         info = torch.utils.data.get_worker_info()
         key = info.seed if info is not None else -1
         if self._gen is None or self._gen_key != key:
@@ -281,10 +335,28 @@ class AugmentCollate:
             self._gen_key = key
         return self._gen
 
-    def __call__(self, batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+
+class AugmentCollate(SeededCollate):
+    """``collate_fn`` turning ``[(uint8 CHW tensor, label), ...]`` into ``(uint8 [B,3,S,S], int64 [B])``.
+
+    Runs inside DataLoader workers (it is a small picklable object, fine for spawn), so the
+    crop/resize work is spread across them (randomness: :class:`SeededCollate`). The trainer
+    uses :class:`client.crop.CropCollate` instead, which leaves the resize to the device.
+    """
+
+    def __init__(self, size: int, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
+                 method: str = "interpolate") -> None:
+        _check_method(method)
+        super().__init__(seed=seed, scale=scale, ratio=ratio, flip_p=flip_p)
+        self.size = int(size)
+        self.method = method
+
+    def __call__(self, data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        _, batch, generator = self.unpack(data)
         images = [item[0] for item in batch]
         labels = torch.tensor([int(item[1]) for item in batch], dtype=torch.int64)
-        out = random_resized_crop_flip(images, self.size, generator=self._generator(), scale=self.scale,
+        out = random_resized_crop_flip(images, self.size, generator=generator, scale=self.scale,
                                        ratio=self.ratio, flip_p=self.flip_p, method=self.method)
         return out, labels
 

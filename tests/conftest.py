@@ -68,3 +68,20 @@ def bad_imagefolder(_bad_build: tuple[str, dict[str, str]]) -> str:
 @pytest.fixture(scope="session")
 def bad_cases(_bad_build: tuple[str, dict[str, str]]) -> dict[str, str]:
     return dict(_bad_build[1])
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """scikit-learn's digits rendered as ``train``/``val`` ImageFolders of 32x32 PNGs (trainer.digits)
+    plus a warm LMDB cache URL holding both (short side 32). Read-only for tests. Needs scikit-learn
+    (in the test extra)."""
+    from client.dataset import CachedImageNet
+    from trainer.digits import render
+
+    base = tmp_path_factory.mktemp("digits")
+    split = render(str(base / "data"))
+    cache = "lmdb://" + str(base / "cache")
+    for root in (split.train, split.val):
+        ds = CachedImageNet(root, cache=cache, short_side=32)
+        ds.__getitems__(list(range(len(ds))))
+    return {"train": split.train, "val": split.val, "cache": cache}

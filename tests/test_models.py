@@ -83,3 +83,24 @@ def test_bad_config_errors() -> None:
         ResNet(Bottleneck, (3, 4, 6))
     with pytest.raises(ValueError, match="num_classes"):
         resnet18(num_classes=0)
+
+
+def test_small_resnet_and_build_model() -> None:
+    from trainer.models import MODEL_CHOICES, build_model, small_resnet
+
+    torch.manual_seed(0)
+    assert sum(p.numel() for p in small_resnet(10, width=16).parameters()) == 310_746  # ImageNet stem
+    assert isinstance(small_resnet(10).maxpool, nn.MaxPool2d)
+    m = small_resnet(10, width=16, small_input=True)
+    assert sum(p.numel() for p in m.parameters()) == 308_826
+    assert tuple(m.conv1.weight.shape) == (16, 3, 3, 3) and m.conv1.stride == (1, 1)
+    assert isinstance(m.maxpool, nn.Identity) and m.fc.in_features == 128
+    out = m(torch.randn(2, 3, 16, 16).contiguous(memory_format=torch.channels_last))
+    assert out.shape == (2, 10)
+    assert MODEL_CHOICES == ("resnet18", "resnet50", "small_resnet", "small_resnet_cifar")
+    assert isinstance(build_model("small_resnet_cifar", 10).maxpool, nn.Identity)
+    assert isinstance(build_model("resnet18", 5), ResNet)
+    with pytest.raises(ValueError, match="resnet18, resnet50, small_resnet, small_resnet_cifar"):
+        build_model("vgg16", 10)
+    with pytest.raises(ValueError, match="widths"):
+        ResNet(Bottleneck, (1, 1, 1, 1), widths=(8, 8, 8))

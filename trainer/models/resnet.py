@@ -4,6 +4,11 @@ Parameter names and shapes match torchvision's ``resnet18`` / ``resnet50`` (ResN
 the stride-2 of a bottleneck sits on its 3x3 convolution), so a torchvision state dict
 loads unchanged. ResNet-50 has 161 parameter tensors and 25,557,032 parameters.
 
+:func:`small_resnet` is the same network narrowed (``width`` channels in the first stage instead
+of 64, one block per stage), for CPU runs (the CPU training benchmark at 64 px); with
+``small_input=True`` its stem is CIFAR-style (one 3x3 convolution of stride 1, no max-pool), for
+images of ~32 px (the digits run).
+
 ``zero_init_residual=True`` zero-initialises the last BatchNorm gamma of every residual
 block (Goyal et al., "Accurate, Large Minibatch SGD"), so each block starts as identity.
 The network uses no ``view``/``reshape`` on 4-D activations, so it runs unchanged in
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet18", "resnet50", "small_resnet"]
 
 
 def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -88,23 +93,31 @@ class ResNet(nn.Module):
         layers: Sequence[int],
         num_classes: int = 1000,
         zero_init_residual: bool = False,
+        widths: Sequence[int] = (64, 128, 256, 512),
+        small_input: bool = False,
     ) -> None:
         super().__init__()
         if len(layers) != 4 or any(n < 1 for n in layers):
             raise ValueError(f"layers must be four positive block counts, got {list(layers)}")
+        if len(widths) != 4 or any(int(w) < 1 for w in widths):
+            raise ValueError(f"widths must be four positive channel counts, got {list(widths)}")
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-        self.inplanes = 64
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
+        self.inplanes = int(widths[0])
+        if small_input:  # CIFAR-style stem: keep the resolution of small images
+            self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=3, stride=1, padding=1, bias=False)
+            self.maxpool: nn.Module = nn.Identity()
+        else:
+            self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False)
+            self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.bn1 = nn.BatchNorm2d(self.inplanes)
         self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_stage(block, 64, layers[0], stride=1)
-        self.layer2 = self._make_stage(block, 128, layers[1], stride=2)
-        self.layer3 = self._make_stage(block, 256, layers[2], stride=2)
-        self.layer4 = self._make_stage(block, 512, layers[3], stride=2)
+        self.layer1 = self._make_stage(block, int(widths[0]), layers[0], stride=1)
+        self.layer2 = self._make_stage(block, int(widths[1]), layers[1], stride=2)
+        self.layer3 = self._make_stage(block, int(widths[2]), layers[2], stride=2)
+        self.layer4 = self._make_stage(block, int(widths[3]), layers[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * block.expansion, num_classes)
+        self.fc = nn.Linear(int(widths[3]) * block.expansion, num_classes)
 
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
@@ -145,3 +158,12 @@ def resnet18(num_classes: int = 1000, zero_init_residual: bool = False) -> ResNe
 def resnet50(num_classes: int = 1000, zero_init_residual: bool = False) -> ResNet:
     """ResNet-50 v1.5 (25,557,032 parameters with 1000 classes, 161 parameter tensors)."""
     return ResNet(Bottleneck, (3, 4, 6, 3), num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+def small_resnet(num_classes: int = 1000, width: int = 16, zero_init_residual: bool = False,
+                 small_input: bool = False) -> ResNet:
+    """A narrow ResNet for CPU runs: BasicBlocks ``(1, 1, 1, 1)``, widths ``width x (1, 2, 4, 8)``,
+    the ImageNet stem (7x7 stride 2 + max-pool), or with ``small_input`` a 3x3 stride-1 stem and no
+    max-pool (``width=16``, 10 classes: 310,746 / 308,826 parameters)."""
+    return ResNet(BasicBlock, (1, 1, 1, 1), num_classes=num_classes, zero_init_residual=zero_init_residual,
+                  widths=tuple(width * m for m in (1, 2, 4, 8)), small_input=small_input)

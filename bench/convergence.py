@@ -1,0 +1,157 @@
+"""Real-data convergence: scikit-learn's digits, a small ResNet on 4 gloo ranks (2 nodes x 2 on loopback),
+dense all-reduce vs exact TopK-SGD vs MSTopK-SGD vs HiTopKComm, same seeds and epochs.
+
+Data: ``python -m trainer digits`` (1,797 real 8x8 handwritten digits as 32x32 PNGs; 1,438 for
+training, a held-out per-class 20 % = 359 for validation) served through ``CachedImageNet``
+from one warm LMDB cache. Each method is one ``python -m trainer --recipe digits`` run launched
+like a 2-node job: two ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank {0,1}`` processes on
+127.0.0.1 (LOCAL_WORLD_SIZE = 2, so HiTopKComm's intra/inter-node groups are real). Methods:
+
+* ``dense``: ``--comm allreduce``;
+* ``topk``: TopK-SGD, ``--comm naive_ag --selector exact`` (torch.topk, all-gather of k values);
+* ``mstopk``: MSTopK-SGD, ``--comm naive_ag --selector mstopk``;
+* ``hitopk``: HiTopKComm with MSTopK, ``--comm hitopk --selector mstopk``;
+
+the sparse ones at density 1 % with error feedback. Also LARS vs PTO-LARS (dense), which must
+train identically. Writes ``bench/results/convergence.json`` (``accuracy: {dense, topk, mstopk,
+hitopk}``, top-1 on the held-out split after the last epoch, plus per-epoch curves) and a PNG.
+Targets: every sparse method within 1 pp of dense; MSTopK not below TopK.
+``python -m bench.convergence [--epochs N] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
+from client.dataset import CachedImageNet
+from datacache.config import user_cache_dir
+from trainer.digits import render
+
+METHODS = {"dense": ["--comm", "allreduce"],
+           "topk": ["--comm", "naive_ag", "--selector", "exact"],
+           "mstopk": ["--comm", "naive_ag", "--selector", "mstopk"],
+           "hitopk": ["--comm", "hitopk", "--selector", "mstopk"]}
+LARS = ["--comm", "allreduce", "--optimizer", "lars", "--lr", "1.0", "--trust-coefficient", "0.02"]
+PTO = {"lars": [*LARS, "--no-pto"], "pto_lars": [*LARS, "--pto"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch_2x2(args: list[str], log: str, timeout: float = 1800.0) -> None:
+    """Two ``torchrun`` node launchers (2 processes each) on loopback; raises on any failure."""
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+               "-m", "trainer", *args]
+        with open(f"{log}.node{node}.log", "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + timeout
+    codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"torchrun exited with {codes}; see {log}.node*.log")
+
+
+def _epochs(out: str) -> list[dict[str, Any]]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["event"] == "epoch"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="epochs per run (default: the digits recipe's 30)")
+    ap.add_argument("--quick", action="store_true", help="2 epochs, no PTO comparison (smoke run)")
+    ap.add_argument("--no-pto", action="store_true", help="skip the LARS vs PTO-LARS runs")
+    args = ap.parse_args(argv)
+    machine = print_machine(machine_info())
+    base = os.path.join(user_cache_dir(), "datacache", "bench", "digits")
+    split = render(os.path.join(base, "data"))
+    cache = "lmdb://" + os.path.join(base, "cache")
+    for root in (split.train, split.val):  # one warm cache for every run
+        ds = CachedImageNet(root, cache=cache, short_side=32)
+        ds.__getitems__(list(range(len(ds))))
+    runs_dir = os.path.join(base, "runs")
+    os.makedirs(runs_dir, exist_ok=True)
+    epochs = args.epochs or (2 if args.quick else None)
+    common = ["--recipe", "digits", "--data", split.train, "--val-data", split.val, "--cache", cache,
+              "--device", "cpu", "--threads", "1", "--density", "0.01", "--seed", "0", "--no-progress"]
+    if epochs:
+        common += ["--epochs", str(epochs)]
+    todo = dict(METHODS) if (args.quick or args.no_pto) else {**METHODS, **PTO}
+    results: dict[str, Any] = {"curves": {}, "seconds": {}}
+    for name, extra in todo.items():
+        out = os.path.join(runs_dir, name)
+        if os.path.exists(os.path.join(out, "metrics.jsonl")):
+            os.remove(os.path.join(out, "metrics.jsonl"))
+        t = time.perf_counter()
+        launch_2x2([*common, *extra, "--out", out], os.path.join(runs_dir, name))
+        results["seconds"][name] = time.perf_counter() - t
+        eps = _epochs(out)
+        results["curves"][name] = [e["val_top1"] for e in eps]
+        methods = sorted({e["comm_method"] for e in eps})
+        print(f"{name:>8}: top-1 {100 * eps[-1]['val_top1']:.2f}% after {len(eps)} epochs "
+              f"({results['seconds'][name]:.0f} s; comm {methods})")
+    acc = {k: results["curves"][k][-1] for k in METHODS}
+    results["accuracy"] = acc
+    ratios: dict[str, float | None] = {f"{k}_minus_dense_pp": 100 * (acc[k] - acc["dense"]) for k in
+                                       ("topk", "mstopk", "hitopk")}
+    ratios["mstopk_minus_topk_pp"] = 100 * (acc["mstopk"] - acc["topk"])
+    notes = [f"held-out split: {split.n_val} images (1 image = {100 / split.n_val:.2f} pp)"]
+    for k in ("topk", "mstopk", "hitopk"):
+        if ratios[f"{k}_minus_dense_pp"] < -1.0:  # type: ignore[operator]
+            notes.append(f"target missed: {k} is {-ratios[f'{k}_minus_dense_pp']:.2f} pp below dense (<= 1)")
+    if ratios["mstopk_minus_topk_pp"] < 0:  # type: ignore[operator]
+        notes.append("target missed: MSTopK below TopK")
+    if "pto_lars" in results["curves"]:
+        same = results["curves"]["pto_lars"] == results["curves"]["lars"]
+        results["pto_lars_identical_curve"] = same
+        curves = results["curves"]
+        ratios["pto_lars_minus_lars_pp"] = 100 * (curves["pto_lars"][-1] - curves["lars"][-1])
+        notes.append(f"LARS vs PTO-LARS (dense): validation curves {'identical' if same else 'DIFFER'}")
+    config = {"world_size": 4, "nodes": 2, "ranks_per_node": 2, "recipe": "digits", "density": 0.01,
+              "epochs": len(results["curves"]["dense"]), "train_images": split.n_train,
+              "val_images": split.n_val,
+              "quick": args.quick}
+    name = "convergence" if not args.quick else "convergence_quick"
+    path = write_results(name, machine=machine, config=config, results=results, ratios=ratios, notes=notes)
+    doc = json.loads(path.read_text())
+    doc["accuracy"] = acc  # the headline at the top level too
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    _plot(RESULTS_DIR / f"{name}.png", results["curves"])
+
+
+def _plot(path: Any, curves: dict[str, list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in curves.items():  # PTO-LARS dashed over LARS: identical curves coincide
+        style = {"ls": "--", "marker": "x"} if name == "pto_lars" else {"marker": "o"}
+        ax.plot(range(1, len(ys) + 1), [100 * y for y in ys], ms=3, label=name, **style)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("held-out top-1 (%)")
+    ax.set_title("digits, small ResNet, 2 nodes x 2 gloo ranks, density 1 %")
+    ax.set_ylim(80, 100.5)
+    ax.legend()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()

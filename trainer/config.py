@@ -1,0 +1,210 @@
+"""``TrainConfig``: everything a training run needs, typed and validated, plus the recipes.
+
+Every field has a help text in its metadata; :mod:`trainer.cli` builds the command line from
+them, so the flags, the config and the checkpoint's record of it never drift apart. A bad value
+raises :class:`~datacache.config.ConfigError` naming the field and, for choices, listing the
+valid ones. Schedules are strings (``"0:96,13:128"``; see :class:`trainer.schedule.EpochSchedule`)
+parsed once, here.
+
+Recipes (``--recipe NAME``) are partial configs applied before the explicit flags:
+
+* ``dawnbench`` -- the shape of the 28-epoch DAWNBench run of Shi et al. 2021 §5.6 (Table 4):
+  13 epochs at 96 px, 11 at 128, 3 at 224, 1 at 288; 256 samples per GPU (128 in the 288-px
+  epoch); MSTopK-SGD over HiTopKComm (ρ = 1 %) for the first 13 epochs, 2D-Torus all-reduce
+  afterwards; LARS with PTO (Mikami et al. 2018 §3.2: trust coefficient 0.01, eps 1e-6),
+  label smoothing 0.1, linear warm-up then poly decay (power 2), ResNet-50, fp16 AMP on GPUs.
+  The peak LR is a starting point to tune, not the paper's (which it does not state).
+* ``digits`` -- the real-data run on scikit-learn's digits (``python -m trainer digits``):
+  a small ResNet (CIFAR stem) at 32 px, no flips (a mirrored digit is another symbol).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from datacache.config import ConfigError
+from trainer.comm.names import METHOD_CHOICES, SELECTOR_CHOICES
+from trainer.models import MODEL_CHOICES
+from trainer.schedule import DECAY_CHOICES, LR_SCALING_CHOICES, EpochSchedule, LRSchedule, positive_int
+
+OPTIMIZER_CHOICES = ("sgd", "lars", "lamb")
+AMP_CHOICES = ("off", "auto", "fp16", "bf16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+TRISTATE_CHOICES = ("auto", "on", "off")
+RECIPE_CHOICES = ("none", "dawnbench", "digits")
+
+
+def _f(default: Any, help: str, group: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices})
+
+
+def _method(text: str) -> str:
+    if text not in METHOD_CHOICES:
+        raise ConfigError(f"comm method {text!r}; choose one of {', '.join(METHOD_CHOICES)}")
+    return text
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A training run (see the module docstring; ``trainer.cli`` documents each flag)."""
+
+    # data
+    data: str = _f("", "training ImageFolder (or .txt/.csv list): any fsspec URL or path", "data")
+    val_data: str = _f("", "validation ImageFolder; empty: hold out --val-fraction of --data", "data")
+    val_fraction: float = _f(0.1, "fraction of --data held out for validation without --val-data", "data")
+    cache: str = _f("", "cache URL (lmdb:///local/dir, memory://); empty: the default LMDB cache", "data")
+    short_side: int = _f(160, "short side of the cached variant (it serves every resolution)", "data")
+    workers: int = _f(2, "DataLoader worker processes per rank (they only cut crop windows)", "data")
+    # model
+    model: str = _f("resnet50", "network", "model", MODEL_CHOICES)
+    width: int = _f(16, "first-stage channels of small_resnet(_cifar)", "model")
+    zero_init_residual: bool = _f(True, "zero-initialise each residual block's last BatchNorm gamma (Goyal "
+                                  "et al.; helps large batches, slows tiny short runs)", "model")
+    # schedules
+    epochs: int = _f(1, "epochs to train", "schedule")
+    batch_size: str = _f("256", "global batch size, or a schedule EPOCH:SIZE,... (batch-size control)",
+                         "schedule")
+    batch_per_rank: bool = _f(False, "--batch-size values are per rank, not global", "schedule")
+    resolution: str = _f("224", "training resolution, or a schedule EPOCH:PX,... (progressive resizing)",
+                         "schedule")
+    steps_per_epoch: int = _f(0, "stop each epoch after this many steps (0: the whole epoch)", "schedule")
+    lr: float = _f(0.1, "peak learning rate (per --lr-ref-batch samples with --lr-scaling linear)",
+                   "schedule")
+    lr_scaling: str = _f("linear", "scale the peak LR with the global batch", "schedule", LR_SCALING_CHOICES)
+    lr_ref_batch: int = _f(256, "reference batch of linear LR scaling", "schedule")
+    warmup_epochs: float = _f(0.0, "linear LR warm-up length in epochs", "schedule")
+    warmup_start: float = _f(0.0, "LR at epoch 0 as a fraction of the peak", "schedule")
+    decay: str = _f("cosine", "LR decay after the warm-up", "schedule", DECAY_CHOICES)
+    poly_power: float = _f(2.0, "exponent of poly decay", "schedule")
+    label_smoothing: float = _f(0.0, "label smoothing of the cross-entropy loss", "schedule")
+    # optimizer
+    optimizer: str = _f("sgd", "optimizer", "optimizer", OPTIMIZER_CHOICES)
+    momentum: float = _f(0.9, "momentum (SGD, LARS)", "optimizer")
+    weight_decay: float = _f(5e-5, "weight decay (not on biases and BatchNorm)", "optimizer")
+    nesterov: bool = _f(False, "Nesterov momentum (SGD, LARS)", "optimizer")
+    pto: bool = _f(False, "LARS/LAMB trust ratios with PTO (each rank computes its share of layers)",
+                   "optimizer")
+    trust_coefficient: float = _f(0.001, "LARS trust coefficient (eta)", "optimizer")
+    lars_eps: float = _f(0.0, "LARS eps in the trust ratio's denominator", "optimizer")
+    # gradient communication
+    comm: str = _f("allreduce", "comm method, or a schedule EPOCH:METHOD,... (e.g. 0:hitopk,13:torus); "
+                   f"methods: {', '.join(METHOD_CHOICES)}", "comm")
+    selector: str = _f("mstopk", "top-k selector of the sparse methods", "comm", SELECTOR_CHOICES)
+    density: float = _f(0.01, "fraction of each bucket the sparse methods send", "comm")
+    error_feedback: bool = _f(True, "keep what top-k did not send and add it next step", "comm")
+    fp16_comm: bool = _f(False, "float16 values on the wire", "comm")
+    bucket_cap_mb: float = _f(25.0, "DDP bucket (fusion buffer) size in MB", "comm")
+    # augmentation
+    crop_scale: float = _f(0.08, "smallest random-resized-crop area fraction (torchvision: 0.08)", "augment")
+    flip: bool = _f(True, "random horizontal flips", "augment")
+    val_crop_fraction: float = _f(0.875, "validation: resize to S / fraction, centre-crop S", "augment")
+    # device and precision
+    device: str = _f("auto", "cuda when available, else cpu", "device", DEVICE_CHOICES)
+    amp: str = _f("off", "autocast: fp16 (+GradScaler, CUDA only), bf16 (CUDA or CPU), auto (fp16 on CUDA, "
+                   "off on CPU)", "device", AMP_CHOICES)
+    channels_last: str = _f("auto", "channels_last memory format (auto: on CUDA)", "device", TRISTATE_CHOICES)
+    threads: int = _f(0, "torch CPU threads per rank (0: leave torch's default)", "device")
+    # run
+    seed: int = _f(0, "seed of model init, sample order and augmentation", "run")
+    out: str = _f("runs/train", "directory for metrics.jsonl and checkpoints", "run")
+    checkpoint_every: int = _f(0, "also checkpoint every N steps (0: at epoch ends only)", "run")
+    keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0: all)", "run")
+    resume: str = _f("", "checkpoint to resume from: a file, or 'auto' (the newest in --out)", "run")
+    val_every: int = _f(1, "validate every N epochs (0: never)", "run")
+    progress: bool = _f(True, "progress bar on rank 0", "run")
+    recipe: str = _f("none", "preset applied before the other flags", "run", RECIPE_CHOICES)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name}={value!r}; choose one of {', '.join(choices)}")
+        positive = ("short_side", "width", "epochs", "lr_ref_batch")
+        non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "val_every", "threads",
+                        "keep_checkpoints")
+        for name in positive:
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; must be a positive integer")
+        for name in non_negative:
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}; must be an integer >= 0")
+        checks = {"val_fraction": 0 <= self.val_fraction < 1, "density": 0 < self.density <= 1,
+                  "crop_scale": 0 < self.crop_scale <= 1,
+                  "val_crop_fraction": 0 < self.val_crop_fraction <= 1,
+                  "label_smoothing": 0 <= self.label_smoothing < 1, "momentum": 0 <= self.momentum < 1,
+                  "weight_decay": self.weight_decay >= 0, "bucket_cap_mb": self.bucket_cap_mb > 0}
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range")
+        # parse every schedule now: a typo fails at start, on every rank alike
+        _ = self.batch_schedule, self.resolution_schedule, self.comm_schedule, self.lr_schedule
+
+    @cached_property
+    def batch_schedule(self) -> EpochSchedule[int]:
+        return EpochSchedule.parse(self.batch_size, positive_int, "batch_size")
+
+    @cached_property
+    def resolution_schedule(self) -> EpochSchedule[int]:
+        return EpochSchedule.parse(self.resolution, positive_int, "resolution")
+
+    @cached_property
+    def comm_schedule(self) -> EpochSchedule[str]:
+        return EpochSchedule.parse(self.comm, _method, "comm")
+
+    @cached_property
+    def lr_schedule(self) -> LRSchedule:
+        return LRSchedule(self.lr, self.epochs, self.warmup_epochs, self.warmup_start, self.decay,
+                          self.poly_power, self.lr_scaling, self.lr_ref_batch)
+
+    def global_batch(self, epoch: int, world_size: int) -> int:
+        """Global batch size at ``epoch``; must split evenly over the ranks."""
+        b = self.batch_schedule.at(epoch)
+        if self.batch_per_rank:
+            return b * world_size
+        if b % world_size:
+            raise ConfigError(f"batch_size {b} (epoch {epoch}) does not split over {world_size} ranks; "
+                              f"use a multiple of {world_size} or --batch-per-rank")
+        return b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig fields {unknown}; valid: {', '.join(sorted(names))}")
+        return cls(**values)
+
+
+RECIPES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "dawnbench": dict(
+        model="resnet50", epochs=28, resolution="0:96,13:128,24:224,27:288",
+        batch_size="0:256,27:128", batch_per_rank=True, comm="0:hitopk,13:torus", selector="mstopk",
+        density=0.01, optimizer="lars", pto=True, trust_coefficient=0.01, lars_eps=1e-6, momentum=0.9,
+        weight_decay=5e-5, label_smoothing=0.1, lr=2.0, lr_scaling="linear", lr_ref_batch=256 * 128,
+        warmup_epochs=2.0, warmup_start=0.01, decay="poly", poly_power=2.0, amp="auto",
+        channels_last="auto"),
+    "digits": dict(
+        model="small_resnet_cifar", width=16, zero_init_residual=False, short_side=32, resolution="32",
+        epochs=30, batch_size="64", optimizer="sgd", lr=0.1, lr_scaling="none", momentum=0.9,
+        weight_decay=5e-4, warmup_epochs=1.0, decay="cosine", label_smoothing=0.1, crop_scale=0.5, flip=False,
+        val_crop_fraction=1.0, workers=1),
+}
+
+
+def make_config(recipe: str = "none", **overrides: Any) -> TrainConfig:
+    """The recipe's values, then ``overrides`` (the explicit flags)."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"recipe={recipe!r}; choose one of {', '.join(RECIPES)}")
+    return TrainConfig(**{**RECIPES[recipe], **overrides, "recipe": recipe})

@@ -1,0 +1,156 @@
+"""Device half of the split augmentation: resize, flip and normalise a whole batch of crop windows.
+
+The loader workers only cut windows (:mod:`client.crop`); here a :class:`~client.crop.CropBatch`
+becomes the model's input ``float [B, 3, S, S]`` in a few batched tensor ops on whatever device
+the batch is on:
+
+* ``"matmul"``: the resize is separable, so each axis is one matrix product per sample:
+  ``out = Wy @ X @ Wx^T`` with ``Wy [B, S, Hp]`` / ``Wx [B, S, Wp]`` built for the whole batch
+  at once (:func:`axis_weights`). Their entries are Pillow's bilinear filter *with* Pillow's
+  antialiasing (the triangle's support widens to the downscale factor), so the result is what
+  ``PIL.Image.resize(..., BILINEAR)`` gives for the same box -- unlike ``affine_grid`` +
+  ``grid_sample``, which samples 4 pixels per output and aliases when shrinking a 160-px crop
+  to 64. Sampling is clamped to each window (rows/columns past ``h_k``/``w_k`` get weight 0,
+  as Pillow renormalises at an image edge); fractional boxes (validation's resize-then-centre-
+  crop) are exact. A flip reverses the rows of ``Wx``: free. Two batched GEMMs: nothing on a
+  GPU (~12 GFLOP for 256 crops of 160x213 to 128 px), but dense, so on a CPU they cost
+  ~0.7 ms a sample at 64 px (2 cores) where the band of non-zero weights is ~6 wide.
+* ``"interpolate"``: per sample, torch's uint8 antialiased bilinear kernel (the same filter,
+  rounding to uint8 between its two passes as Pillow does) writes into the batch
+  (:func:`client.augment.resize_crops`): ~25-45 us a crop on a CPU core, but one kernel
+  launch per sample, which a GPU must not pay. Boxes must be whole windows (training batches,
+  ``size == 0``).
+* ``"auto"`` (default): ``"interpolate"`` for training batches on the CPU, ``"matmul"``
+  otherwise (CUDA, and fractional validation boxes).
+
+Normalisation ``(x / 255 - mean) / std`` follows, and the batch leaves in the requested memory
+format (channels_last for convolutions on a GPU). Uint8 batches that are already the output
+size (a loader that resized on the host) are only converted and normalised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from client.augment import _new_batch, resize_crops
+from client.crop import CropBatch
+
+METHOD_CHOICES = ("auto", "matmul", "interpolate")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def axis_weights(start: Tensor, extent: Tensor, window: Tensor, n_out: int, n_in: int,
+                 flip: Tensor | None = None) -> Tensor:
+    """Resampling matrices ``[B, n_out, n_in]`` (float32) of Pillow's antialiased bilinear filter.
+
+    Output pixel ``o`` of sample ``b`` is centred at ``start[b] + (o + 0.5) * scale`` in input
+    pixels, ``scale = extent / n_out``; input pixel ``i`` (centre ``i + 0.5``) weighs
+    ``max(0, 1 - |i + 0.5 - centre| / fs)`` with ``fs = max(scale, 1)`` (Pillow's
+    ``precompute_coeffs`` for the triangle filter), only for ``i < window[b]``; each row is
+    normalised to sum 1. ``flip[b]`` reverses the output order (a horizontal flip).
+    """
+    dev = start.device
+    start = start.to(torch.float32)
+    scale = extent.to(torch.float32) / n_out
+    fs = scale.clamp(min=1.0)
+    centre = start[:, None] + (torch.arange(n_out, device=dev, dtype=torch.float32) + 0.5) * scale[:, None]
+    pos = torch.arange(n_in, device=dev, dtype=torch.float32) + 0.5
+    w = (1.0 - (pos[None, None, :] - centre[:, :, None]).abs() / fs[:, None, None]).clamp_(min=0.0)
+    w.mul_(pos[None, None, :] < window.to(device=dev, dtype=torch.float32)[:, None, None])
+    w.div_(w.sum(dim=2, keepdim=True).clamp_(min=1e-12))
+    if flip is not None:
+        w = torch.where(flip.to(dev)[:, None, None], w.flip(1), w)
+    return w
+
+
+def resize_matmul(batch: CropBatch, size: int) -> Tensor:
+    """Resize (and flip) every box of ``batch`` to ``size x size``: float32 ``[B, 3, S, S]`` in
+    pixel units (0..255, not rounded), on the batch's device. Two batched GEMMs."""
+    pix = batch.padded()  # [B, Hmax, Wmax, 3]: one scatter on the device
+    n, hp, wp, _ = pix.shape
+    b = batch.boxes
+    wy = axis_weights(b[:, 0], b[:, 1], batch.windows[:, 0], size, hp)
+    wx = axis_weights(b[:, 2], b[:, 3], batch.windows[:, 1], size, wp, flip=batch.flips)
+    # vertical pass on the HWC buffer as [B, Hp, Wp*3]: no permute of the big input
+    rows = torch.bmm(wy, pix.reshape(n, hp, wp * 3).to(torch.float32))          # [B, S, Wp*3]
+    rows = rows.view(n, size, wp, 3).permute(0, 3, 1, 2)                        # [B, 3, S, Wp]
+    return torch.matmul(rows, wx.transpose(1, 2).unsqueeze(1))                  # [B, 3, S, S]
+
+
+def resize_interpolate(batch: CropBatch, size: int) -> Tensor:
+    """Resize (and flip) every whole window of ``batch`` with torch's uint8 antialiased kernel,
+    one call per sample: uint8 channels_last ``[B, 3, S, S]``. Training batches only."""
+    if batch.size != 0:
+        raise ValueError("resize_interpolate needs whole-window boxes (training batches, size 0); "
+                         "use resize_matmul for validation batches")
+    views = batch.views()  # [h, w, 3] views of the packed windows
+    images = [v.permute(2, 0, 1) for v in views]
+    boxes = [(0, 0, int(v.shape[0]), int(v.shape[1])) for v in views]
+    if batch.pixels.device.type == "cpu":
+        out = _new_batch(len(images), size)
+    else:  # same channels_last uint8 layout on the device
+        out = torch.empty((len(images), size, size, 3), dtype=torch.uint8,
+                          device=batch.pixels.device).permute(0, 3, 1, 2)
+    return resize_crops(images, boxes, batch.flips.tolist(), size, out=out)
+
+
+class DeviceAugment:
+    """Batches -> normalised model input on the batch's device (see the module docstring).
+
+    ``mean``/``std`` per channel (0..1 units; ImageNet's by default), ``method`` one of
+    :data:`METHOD_CHOICES`, ``memory_format`` of the output, ``dtype`` of the output.
+    Call with a :class:`~client.crop.CropBatch` (or a ``(uint8 [B,3,S,S], labels)`` pair) and
+    the output size; returns ``(x, labels)``.
+    """
+
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, *,
+                 method: str = "auto", memory_format: torch.memory_format = torch.contiguous_format,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if method not in METHOD_CHOICES:
+            raise ValueError(f"DeviceAugment method={method!r}; choose one of {', '.join(METHOD_CHOICES)}")
+        if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+            raise ValueError(f"mean and std need 3 values each, std > 0; got {mean!r}, {std!r}")
+        self.mean = tuple(float(m) for m in mean)
+        self.std = tuple(float(s) for s in std)
+        self.method = method
+        self.memory_format = memory_format
+        self.dtype = dtype
+        self._consts: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def method_for(self, batch: CropBatch) -> str:
+        if self.method != "auto":
+            return self.method
+        cpu = batch.pixels.device.type == "cpu"
+        return "interpolate" if cpu and batch.size == 0 else "matmul"
+
+    def _normalise(self, x: Tensor) -> Tensor:
+        dev = x.device
+        if dev not in self._consts:
+            mul = torch.tensor([1.0 / (255.0 * s) for s in self.std], device=dev).view(1, 3, 1, 1)
+            sub = torch.tensor([m / s for m, s in zip(self.mean, self.std)], device=dev).view(1, 3, 1, 1)
+            self._consts[dev] = (mul, sub)
+        mul, sub = self._consts[dev]
+        x = x.to(torch.float32).mul_(mul).sub_(sub)  # (x / 255 - mean) / std
+        return x.to(dtype=self.dtype, memory_format=self.memory_format)
+
+    def resize(self, batch: CropBatch, size: int) -> Tensor:
+        """The resized, flipped batch in pixel units (float32 or uint8), before normalisation."""
+        if batch.size not in (0, size):
+            raise ValueError(f"this batch was cut for output size {batch.size}, not {size} "
+                             "(a validation loader is made for one size)")
+        if self.method_for(batch) == "interpolate":
+            return resize_interpolate(batch, size)
+        return resize_matmul(batch, size)
+
+    def __call__(self, batch: CropBatch | tuple[Tensor, Tensor], size: int) -> tuple[Tensor, Tensor]:
+        if isinstance(batch, CropBatch):
+            return self._normalise(self.resize(batch, size)), batch.labels
+        images, labels = batch
+        if images.dtype != torch.uint8 or images.dim() != 4 or tuple(images.shape[1:]) != (3, size, size):
+            raise ValueError(f"expected a CropBatch or uint8 [B, 3, {size}, {size}] images, got "
+                             f"{images.dtype} {tuple(images.shape)}")
+        return self._normalise(images), labels

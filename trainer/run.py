@@ -1,0 +1,200 @@
+"""A whole training run: datasets, model, DDP + comm hooks, epochs, validation, checkpoints, logs.
+
+``train(cfg)`` is what ``python -m trainer`` runs on every rank (under torchrun, or alone in a
+one-rank group). Order of a resumed start: model weights -> DDP + hooks -> comm residuals ->
+optimizer and GradScaler state -> the DDP layout warm-up (:func:`trainer.setup.layout_warmup`)
+-> the remaining batches of the saved epoch, from the saved step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from client.dataset import CachedImageNet
+from datacache.config import ConfigError
+from trainer import checkpoint
+from trainer.config import TrainConfig
+from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
+from trainer.device_augment import DeviceAugment
+from trainer.distenv import DistInfo, init_distributed
+from trainer.loop import EpochStats, StepContext, train_epoch, validate
+from trainer.metrics import MetricsLog, epoch_line
+from trainer.setup import channels_last, layout_warmup, make_amp, make_ddp, make_model, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` returns on every rank."""
+
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    step_losses: list[float] = field(default_factory=list)
+    model: nn.Module | None = None
+    resumed_from: str | None = None
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.epochs[-1] if self.epochs else {}
+
+
+@dataclass
+class Data:
+    train: CachedImageNet
+    val: CachedImageNet
+    train_idx: list[int]
+    val_idx: list[int]
+
+
+def open_data(cfg: TrainConfig) -> Data:
+    """The training dataset and the validation split (a separate folder, or a held-out part)."""
+    kw: dict[str, Any] = {"cache": cfg.cache or None, "short_side": cfg.short_side}
+    train = CachedImageNet(cfg.data, **kw)
+    if cfg.val_data:
+        val = CachedImageNet(cfg.val_data, **kw)
+        if list(val.classes) != list(train.classes):
+            raise ConfigError(f"--val-data {cfg.val_data} has classes {list(val.classes)[:5]}..., --data has "
+                              f"{list(train.classes)[:5]}...: the class folders must match")
+        return Data(train, val, list(range(len(train))), list(range(len(val))))
+    tr, va = split_indices(list(train.targets), cfg.val_fraction, cfg.seed)
+    return Data(train, train, tr, va)
+
+
+def _schedules(cfg: TrainConfig, epoch: int, world: int, steps: int, lr: float) -> dict[str, Any]:
+    return {"lr": lr, "global_batch": cfg.global_batch(epoch, world), "seed": cfg.seed,
+            "resolution": cfg.resolution_schedule.at(epoch), "comm_method": cfg.comm_schedule.at(epoch),
+            "steps_in_epoch": steps}
+
+
+def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+LoaderFactory = Callable[[Data, DistributedBatchSampler], Iterable[Any]]
+
+
+def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: LoaderFactory | None = None,
+          record_losses: bool = False) -> RunResult:
+    """Run ``cfg`` on this rank. ``make_loader(data, sampler)`` replaces the cached crop loader
+    (benchmarks: a naive loader over the same sampler); ``record_losses`` reads every step's loss
+    (tests)."""
+    if not cfg.data:
+        raise ConfigError("no training data: pass --data URL (an ImageFolder or a .txt/.csv list)")
+    info = info or init_distributed(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device, rank, world = info.device, info.rank, info.world_size
+    data = open_data(cfg)
+    model = make_model(cfg, len(data.train.classes), device)
+    path = checkpoint.resolve(cfg.resume, cfg.out)
+    # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
+    loaded = checkpoint.load(path, rank, world, map_location="cpu") if path else None
+    if loaded is not None:
+        model.load_state_dict(loaded.train["model"])
+    ddp, state = make_ddp(model, cfg, device)
+    optimizer = make_optimizer(cfg, model)
+    amp = make_amp(cfg, device)
+    if loaded is not None:
+        if loaded.comm is not None:
+            state.load_state_dict(loaded.comm)
+        optimizer.load_state_dict(loaded.train["optimizer"])
+        if amp.scaler is not None and loaded.train["scaler"]:
+            amp.scaler.load_state_dict(loaded.train["scaler"])
+        torch.set_rng_state(loaded.train["rng"])
+    fmt = torch.channels_last if channels_last(cfg, device) else torch.contiguous_format
+    ctx = StepContext(ddp, optimizer, state, amp, nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+                      DeviceAugment(memory_format=fmt), device, cfg.lr_schedule)
+    sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
+    loader = make_loader(data, sampler) if make_loader is not None else train_loader(
+        data.train, sampler, workers=cfg.workers, seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip,
+        pin_memory=device.type == "cuda")
+    logger = MetricsLog(cfg.out, enabled=info.is_main)
+    start_epoch, start_step, gstep = 0, 0, 0
+    if loaded is not None:
+        start_epoch, start_step, gstep = loaded.pos.epoch, loaded.pos.step, loaded.pos.global_step
+        if start_epoch < cfg.epochs:
+            per_rank = cfg.global_batch(start_epoch, world) // world
+            sampler.set_epoch(start_epoch, per_rank, 0, cfg.steps_per_epoch)
+            now = _schedules(cfg, start_epoch, world, sampler.steps_in_epoch(), 0.0)
+            checkpoint.check_resumable(loaded, now, world, path or "")
+            res = cfg.resolution_schedule.at(start_epoch)
+            x = torch.zeros((sampler.batch_size, 3, res, res), device=device).contiguous(memory_format=fmt)
+            layout_warmup(ddp, state, (x, torch.zeros(sampler.batch_size, dtype=torch.long, device=device)),
+                          ctx.loss_fn)
+        logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}")
+    logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),
+                 train_samples=len(data.train_idx), val_samples=len(data.val_idx), resumed_from=path)
+    result = RunResult(model=model, resumed_from=path)
+    val_loaders: dict[int, Any] = {}  # one persistent loader per resolution
+    for epoch in range(start_epoch, cfg.epochs):
+        res = cfg.resolution_schedule.at(epoch)
+        gbs = cfg.global_batch(epoch, world)
+        first = start_step if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, gbs // world, first, cfg.steps_per_epoch)
+        steps = sampler.steps_in_epoch()
+        before = data.train.stats()
+        counter = {"gstep": gstep}
+
+        def on_step(step: int, epoch: int = epoch, steps: int = steps, counter: dict = counter) -> None:
+            counter["gstep"] += 1
+            if cfg.checkpoint_every and counter["gstep"] % cfg.checkpoint_every == 0 and step < steps:
+                _save(cfg, info, model, ctx, checkpoint.Position(epoch, step, counter["gstep"]),
+                      _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]))
+
+        stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
+                            start_step=first, progress=cfg.progress and info.is_main,
+                            record_losses=record_losses, on_step=on_step)
+        gstep = counter["gstep"]
+        result.step_losses += stats.step_losses
+        rec = _epoch_record(cfg, data, stats, before, res, gbs, world, device)
+        rec["comm_method"] = state.active_method or state.config.method  # what the hooks ran
+        if cfg.val_every and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs) and data.val_idx:
+            for buf in model.buffers():  # every rank evaluates rank 0's BatchNorm statistics
+                dist.broadcast(buf, 0)
+            if res not in val_loaders:
+                val_loaders[res] = val_loader(data.val, data.val_idx, res, world_size=world, rank=rank,
+                                              batch_size=max(1, gbs // world), workers=cfg.workers,
+                                              crop_fraction=cfg.val_crop_fraction,
+                                              pin_memory=device.type == "cuda")
+            v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
+            rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
+        _save(cfg, info, model, ctx, checkpoint.Position(epoch + 1, 0, gstep),
+              _schedules(cfg, epoch, world, steps, stats.lr))
+        logger.write("epoch", **rec)
+        logger.say(epoch_line(rec, cfg.epochs))
+        result.epochs.append(rec)
+    logger.write("end", epochs=len(result.epochs))
+    return result
+
+
+def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[str, Any], res: int, gbs: int,
+                  world: int, device: torch.device) -> dict[str, Any]:
+    after = data.train.stats()
+    hits, misses, decoded = (after[k] - before[k] for k in ("hits", "misses", "decoded"))
+    wait, loss, aug, hits, misses, decoded = _sum_over_ranks(
+        [stats.data_wait_fraction / world, stats.loss / world, stats.augment_s / world, hits, misses,
+         decoded], device)
+    return {"epoch": stats.epoch, "resolution": res, "global_batch": gbs, "steps": stats.steps,
+            "lr": stats.lr, "loss": loss, "seconds": stats.seconds,
+            "samples_per_s": stats.samples_per_s * world, "data_wait_fraction": wait, "augment_s": aug,
+            "skipped_steps": stats.skipped_steps, "cache_hits": int(hits), "cache_misses": int(misses),
+            "decoded": int(decoded)}
+
+
+def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pos: checkpoint.Position,
+          schedules: dict[str, Any]) -> None:
+    checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
+                    scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
+                    config_json=cfg.to_json(), world_size=info.world_size, keep=cfg.keep_checkpoints)
+    log.info("checkpoint %s", os.path.join(cfg.out, "checkpoints", f"step{pos.global_step:08d}"))

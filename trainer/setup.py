@@ -1,0 +1,128 @@
+"""Building a run's pieces from a :class:`~trainer.config.TrainConfig`: model, optimizer, DDP with
+the comm hooks, AMP, and the DDP layout warm-up a resumed run needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from datacache.config import ConfigError
+from trainer.comm import CommConfig, HookState, MethodSchedule, wrap
+from trainer.config import TrainConfig
+from trainer.models import build_model
+from trainer.optim import LAMB, LARS
+
+
+def make_model(cfg: TrainConfig, num_classes: int, device: torch.device) -> nn.Module:
+    """The network, initialised from ``cfg.seed`` (the same weights on every rank and run), on
+    ``device``; channels_last on CUDA unless ``--channels-last off``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model, num_classes, width=cfg.width,
+                            zero_init_residual=cfg.zero_init_residual)
+    model = model.to(device)
+    if channels_last(cfg, device):
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def channels_last(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.channels_last == "on" or (cfg.channels_last == "auto" and device.type == "cuda")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on weights only: biases and BatchNorm parameters (ndim <= 1) get none."""
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD (momentum), LARS or LAMB; LARS/LAMB exclude biases and BatchNorm from adaptation and
+    decay themselves, and compute trust ratios with PTO when ``cfg.pto``. The LR set here is
+    overwritten every step by the schedule."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(param_groups(model, cfg.weight_decay), lr=cfg.lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov)
+    if cfg.optimizer == "lars":
+        return LARS(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                    trust_coefficient=cfg.trust_coefficient, eps=cfg.lars_eps, nesterov=cfg.nesterov,
+                    pto=cfg.pto)
+    return LAMB(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pto=cfg.pto)
+
+
+def comm_config(cfg: TrainConfig) -> CommConfig:
+    """The hooks' config: one method, or a by-epoch :class:`MethodSchedule` (e.g. HiTopK -> torus)."""
+    phases = cfg.comm_schedule.phases
+    schedule = MethodSchedule(phases, unit="epoch") if len(phases) > 1 else None
+    return CommConfig(method=phases[0][1], selector=cfg.selector, density=cfg.density, fp16=cfg.fp16_comm,
+                      error_feedback=cfg.error_feedback, schedule=schedule)
+
+
+DDP = nn.parallel.DistributedDataParallel
+
+
+def make_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tuple[DDP, HookState]:
+    """DDP with the comm hook registered (COLLECTIVE: every rank, same order)."""
+    kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    return wrap(model, comm_config(cfg), bucket_cap_mb=cfg.bucket_cap_mb, **kwargs)
+
+
+@dataclass
+class Amp:
+    """Autocast settings and the GradScaler (fp16 on CUDA only)."""
+
+    dtype: torch.dtype | None
+    device_type: str
+    scaler: torch.amp.GradScaler | None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def make_amp(cfg: TrainConfig, device: torch.device) -> Amp:
+    mode = cfg.amp
+    if mode == "auto":
+        mode = "fp16" if device.type == "cuda" else "off"
+    if mode == "fp16" and device.type != "cuda":
+        raise ConfigError("amp=fp16 needs CUDA (fp16 autocast + GradScaler); on a CPU use --amp bf16 or off")
+    if mode == "off":
+        return Amp(None, device.type, None)
+    if mode == "bf16":
+        return Amp(torch.bfloat16, device.type, None)  # bf16 keeps fp32's range: no loss scaling
+    return Amp(torch.float16, "cuda", torch.amp.GradScaler("cuda"))
+
+
+def layout_warmup(ddp: nn.parallel.DistributedDataParallel, state: HookState, batch: tuple[torch.Tensor, ...],
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Run DDP's first (layout) iteration on ``batch`` without changing any training state.
+
+    A fresh DDP reduces its first backward with a provisional bucket layout and rebuilds the
+    buckets after it; the hooks therefore reduce the first step after ``register`` densely
+    (``CommConfig.dense_first_step``). A run resumed mid-training must not get that extra dense
+    step -- the uninterrupted run was sparse there. So after loading a checkpoint, one forward /
+    backward is run here with the hooks in their warm-up, and then undone: BatchNorm buffers are
+    restored, gradients dropped, the optimizer is not stepped, and the hook state's step counter
+    is put back (the residuals were untouched: the warm-up reduction is dense and keeps them).
+    The next real step uses the rebuilt layout, as the uninterrupted run did. COLLECTIVE.
+    """
+    module = ddp.module
+    saved = {name: buf.detach().clone() for name, buf in module.named_buffers()}
+    step = state.step
+    x, y = batch
+    loss_fn(ddp(x), y).backward()
+    state.finish_step(skipped=False)  # leaves the warm-up (fresh -> False), keeps all residuals
+    state.step = step
+    with torch.no_grad():
+        for name, buf in module.named_buffers():
+            buf.copy_(saved[name])
+    for p in module.parameters():
+        p.grad = None
