@@ -20,10 +20,11 @@ LMDB directory on a network filesystem, or a wrong Redis password raises ConfigE
 
 Per-process state (fork/spawn boundary): the read-through opens its store and source lazily in the
 process that uses them (pid check), so every DataLoader worker opens its own LMDB environment and
-Redis connections after the fork; pickling the dataset for spawn carries only the manifest (numpy
-columns), the parsed cache spec, the config and two small shared-memory tensors (statistics and
-quarantine flags), which torch's ForkingPickler shares rather than copies. In the main process
-(``num_workers=0``) misses of a batch are decoded by a few threads at once; in a worker, one.
+Redis connections after the fork. Pickling the dataset for spawn carries the parsed cache spec,
+the config and shared-memory tensors -- the manifest's columns (:mod:`client.shared_manifest`),
+statistics and quarantine flags -- which torch's ForkingPickler passes as file descriptors rather
+than copies. In the main process (``num_workers=0``) misses of a batch are decoded by a few
+threads at once; in a worker, one.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from client.shared_manifest import share_manifest
 from client.stats import SharedCounters, format_stats
 from client.storeio import to_chw_tensor
 from datacache.cacheurl import parse_cache_url
@@ -98,8 +100,9 @@ class CachedImageNet(Dataset):
         self.transform = transform
         self.on_error = on_error
         self.revalidate = revalidate
-        self.manifest = Manifest.build(source, storage_options=storage_options,
-                                       persist_dir=self.manifest_dir, revalidate=revalidate)
+        # columns in shared memory: spawn/forkserver workers map them instead of receiving a copy
+        self.manifest = share_manifest(Manifest.build(source, storage_options=storage_options,
+                                                      persist_dir=self.manifest_dir, revalidate=revalidate))
         self.reader = ReadThrough(self.manifest, self.variant, self.cache_spec, t1_dir=t1_dir,
                                   t1_max_bytes=int(t1_max_bytes) if t1_max_bytes is not None else None,
                                   storage_options=storage_options)

@@ -157,12 +157,13 @@ def list_folder(fs: fsspec.AbstractFileSystem, path: str, url: str, *, workers: 
     if n_outside:
         out.count("outside_class", n_outside)
     cdirs = [posixpath.join(path, c) for c in out.classes]
+    skip = len(path.rstrip("/")) + 1  # length of "<path>/"
     for target, (c, cdir, found) in enumerate(zip(out.classes, cdirs, _find_all(fs, cdirs, workers))):
         found = {n.rstrip("/"): i for n, i in found.items()}
         subdirs = [cdir] + [n for n, i in found.items() if i["type"] == "directory" and n != cdir]
         counts = dict.fromkeys(subdirs, 0)
         for n in found:
-            parent = posixpath.dirname(n)
+            parent = n.rpartition("/")[0]  # string ops, not posixpath: this loop runs once per file
             if n != cdir and parent in counts:
                 counts[parent] += 1
         for d in subdirs:  # (mtime, entry count) per directory, from the walk itself
@@ -175,11 +176,12 @@ def list_folder(fs: fsspec.AbstractFileSystem, path: str, url: str, *, workers: 
             if not is_image(name):
                 out.count("non_image")
                 continue
-            files.append((posixpath.dirname(name), posixpath.basename(name), info))
+            d, _, base = name.rpartition("/")
+            files.append((d, base, info))
         # torchvision: sorted(os.walk(class_dir)) -> directories in string order, files sorted in each
         files.sort(key=lambda e: (e[0], e[1]))
-        for d, n, info in files:
-            out.add(posixpath.relpath(posixpath.join(d, n), path), target, info)
+        for d, n, info in files:  # every name lies under cdir = path/<class>: relative by slicing
+            out.add(f"{d}/{n}"[skip:], target, info)
         if not files:
             out.count("empty_class")
             log.warning("manifest %s: class folder %r has no images; it keeps class index %d", url, c, target)

@@ -118,3 +118,48 @@ def test_second_process_gets_only_hits(folder: str, tmp_path) -> None:
     st = json.loads(proc.stdout.strip().splitlines()[-1])
     assert st["hits"] == len(first) and st["misses"] == 0
     assert st["decoded"] == 0 and st["bytes_read"] == 0 and st["samples"] == len(first)
+
+
+class _ManifestProbe(torch.utils.data.Dataset):
+    """Returns what a worker sees of the dataset's manifest (module level: picklable for spawn)."""
+
+    def __init__(self, ds: CachedImageNet) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> tuple:
+        m = self.ds.manifest
+        return list(m.paths), m.labels.tolist(), m.sizes.tolist(), m.fingerprint, type(m).__name__
+
+
+def test_manifest_columns_travel_to_spawn_workers_as_shared_memory(folder: str, tmp_path) -> None:
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import numpy as np
+
+    from client.shared_manifest import share_manifest
+    from datacache.columns import PackedStrings
+    from datacache.manifest import Manifest
+
+    # ImageNet-sized columns: what DataLoader sends to a spawn/forkserver worker (ForkingPickler) is
+    # a few file descriptors, not the bytes; a plain pickle still carries every byte.
+    n = 200_000
+    paths = PackedStrings.pack([f"c/{i:07d}.JPEG" for i in range(n)])
+    large = share_manifest(Manifest(root="file:///d", packed=paths,
+                                    labels=np.arange(n, dtype=np.int32) % 7, sizes=np.ones(n, np.int64),
+                                    mtimes=np.zeros(n), versions=np.zeros(n, np.uint64), classes=["c"]))
+    assert large.nbytes > 8_000_000
+    assert len(bytes(ForkingPickler.dumps(large))) < 8192
+    assert len(pickle.dumps(large)) >= large.nbytes
+    back = pickle.loads(pickle.dumps(large))
+    assert back.fingerprint == large.compute_fingerprint() == back.compute_fingerprint()
+
+    ds = CachedImageNet(folder, f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
+    man = ds.manifest
+    got = next(iter(DataLoader(_ManifestProbe(ds), batch_size=None, num_workers=1,
+                               multiprocessing_context="spawn")))
+    assert tuple(got) == (list(man.paths), man.labels.tolist(), man.sizes.tolist(), man.fingerprint,
+                          "SharedManifest")
