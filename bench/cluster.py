@@ -7,9 +7,12 @@
 * **cold epochs** (empty cache: read + decode + write-back) on LMDB and on the cluster vs a naive
   epoch, each with a fresh loader (worker start-up in all three): ``cold_vs_naive`` (>= 1.0) is the
   smaller of the two, ``cold_vs_naive_lmdb`` / ``cold_vs_naive_cluster`` both;
-* **batched reads**: ``get_many`` MB/s over every key (batches of 256, one process, the masters read
-  in parallel) vs ``redis-benchmark -P 16 -c 1 GET`` of a key of the mean record size on every master
-  at once (3 processes, MB/s summed; hits checked): ``read_vs_redis_benchmark`` (>= 0.7);
+* **batched reads**, on equal terms: one connection to one ``redis-server`` holding the dataset's
+  records, ``RedisStore.get_many`` (batches of 256) vs ``redis-benchmark -P 16 -c 1 -r N GET`` over
+  the same N values (random keys, hits checked): ``read_vs_redis_benchmark`` (>= 0.7). Also, for
+  context, the cluster: one process reading all masters in parallel vs three ``redis-benchmark``
+  processes, one per master, each repeating one hot key (its value stays in a CPU cache):
+  ``cluster_read_vs_redis_benchmark_x3_hot_key``;
 * **daemon fill** from the NFS stand-in (``slowfile://``, 5 ms per request, 50 MB/s per process) with
   Pillow and with DALI, vs min(bandwidth bound, decode bound): ``fill_vs_bound`` (>= 0.9; Pillow's,
   ``fill_vs_bound_dali`` for DALI). Bandwidth bound = 50 MB/s / mean file size (the daemon reads in
@@ -17,7 +20,8 @@
   encode rate of that backend on bytes in memory, measured in the same run;
 * **sweep**: run 1 (a new process, empty cluster: its first epoch is cold) and run 2 (another new
   process): ``run2_vs_warm`` = run 2's first epoch / run 1's warm epochs (>= 0.9), ``run2_vs_run1`` =
-  run 2's first epoch / run 1's first epoch (>= 10);
+  run 2's first epoch / run 1's first epoch (>= 10); ``run2_vs_run1_tiered``: the same sweep with a
+  node-local LMDB tier chained in front of the cluster (``lmdb:///...::redis+cluster://...``);
 * **memory below the dataset**: 3 random epochs with the cluster's memory holding ~50 % of the
   samples, MinIO (``noeviction``) vs ``allkeys-lru``: ``minio_hit_vs_fraction`` = hit ratio of epochs
   2-3 / cached fraction (>= 0.95), ``lru_hit_vs_fraction`` for comparison.
@@ -73,6 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         res["sweep_run1"] = P.sweep_run(root, url, batch, args.workers, epochs=4)  # cold cluster epoch first
         res["sweep_run2"] = P.sweep_run(root, url, batch, args.workers, epochs=1)
         res["cold_cluster"] = res["sweep_run1"]["epochs"][0]
+        # the same sweep with a node-local LMDB tier in front of the cluster (lmdb:///...::redis+cluster://)
+        P.flush_cluster(cluster)
+        tiered = f"lmdb://{lmdb_dir}-tier::{url}"
+        shutil.rmtree(lmdb_dir + "-tier", ignore_errors=True)
+        res["tiered_run1"] = P.sweep_run(root, tiered, batch, args.workers, epochs=2)
+        res["tiered_run2"] = P.sweep_run(root, tiered, batch, args.workers, epochs=1)
+        shutil.rmtree(lmdb_dir + "-tier", ignore_errors=True)
         for k in ("naive_fresh", "cold_lmdb", "cold_cluster"):
             print(f"  {k:14s} {res[k]['samples_per_s']:8.0f} samples/s")
         print("warm epochs, interleaved")
@@ -85,8 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         print("batched reads vs redis-benchmark")
         res["batched_read"] = P.batched_read(url, root, batch)
         res["redis_benchmark"] = P.redis_benchmark(cluster, int(res["batched_read"]["mean_value"]))
-        print(f"  get_many {res['batched_read']['MB_per_s']:.0f} MB/s, redis-benchmark "
-              f"{res['redis_benchmark']['MB_per_s']:.0f} MB/s")
+        print(f"  cluster: get_many {res['batched_read']['MB_per_s']:.0f} MB/s (1 process), redis-benchmark "
+              f"{res['redis_benchmark']['MB_per_s']:.0f} MB/s (3 processes, one hot key each)")
+        res["connection_read"] = P.connection_read(url, root, batch, tmp)
+        c = res["connection_read"]
+        print(f"  one connection: get_many {c['get_many_MB_per_s']:.0f} MB/s, redis-benchmark -r "
+              f"{c['redis_benchmark_MB_per_s']:.0f} MB/s")
         res["fill"] = fill_part(root, url, cluster, args.workers)
         print("MinIO vs LRU at 50 % capacity")
         res["policy"] = {p: P.policy_hit_ratio(cluster, root, p, 0.5) for p in ("noeviction", "allkeys-lru")}
@@ -103,12 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     warm = {k: v["samples_per_s"] for k, v in res["warm"].items()}
     ratios = {
         "cluster_warm_vs_naive": warm["cluster"] / warm["naive"],
-        "read_vs_redis_benchmark": res["batched_read"]["MB_per_s"] / res["redis_benchmark"]["MB_per_s"],
+        "read_vs_redis_benchmark": (res["connection_read"]["get_many_MB_per_s"]
+                                    / res["connection_read"]["redis_benchmark_MB_per_s"]),
+        "cluster_read_vs_redis_benchmark_x3_hot_key": (res["batched_read"]["MB_per_s"]
+                                                       / res["redis_benchmark"]["MB_per_s"]),
         "fill_vs_bound": fill["pillow"]["samples_per_s"] / fill["pillow"]["bound"],
         "fill_vs_bound_dali": (fill["dali"]["samples_per_s"] / fill["dali"]["bound"]
                                if "dali" in fill else None),
         "run2_vs_warm": run2[0]["samples_per_s"] / run1_warm,
         "run2_vs_run1": run2[0]["samples_per_s"] / run1[0]["samples_per_s"],
+        "run2_vs_run1_tiered": (res["tiered_run2"]["epochs"][0]["samples_per_s"]
+                                / res["tiered_run1"]["epochs"][0]["samples_per_s"]),
         "cold_vs_naive_lmdb": res["cold_lmdb"]["samples_per_s"] / naive,
         "cold_vs_naive_cluster": res["cold_cluster"]["samples_per_s"] / naive,
         "minio_hit_vs_fraction": res["policy"]["noeviction"]["hit_vs_fraction"],

@@ -140,6 +140,48 @@ def redis_benchmark(cluster: Any, value_bytes: int, requests: int = 20000) -> di
             "MB_per_s": sum(rps) * value_bytes / 1e6}
 
 
+def connection_read(url: str, root: str, batch: int, workdir: str, repeats: int = 3,
+                    requests: int = 20000) -> dict[str, Any]:
+    """One connection, the dataset's own records on one ``redis-server``: MB/s of ``RedisStore.get_many``
+    (batches of ``batch`` keys) vs ``redis-benchmark -P 16 -c 1 -r N GET`` over the same N values
+    (random keys of the working set, hits checked) -- the client's cost per byte against Redis's
+    own C client, on equal terms (one client process, one server, data that does not sit in a
+    CPU cache)."""
+    import redis
+
+    from datacache.redis_local import start_server
+    from datacache.stores import open_store
+
+    ds = CachedImageNet(root, url, short_side=160, t1_dir=None)
+    got = ds.store.tiers[0].get_many([ds.key(i) for i in range(len(ds))])
+    values = [bytes(v) for v in got if v is not None]
+    srv = start_server(os.path.join(workdir, "standalone"))
+    try:
+        store = open_store(f"redis://{srv.addr}/0")
+        keys = [b"bench:%012d" % i for i in range(len(values))]  # redis-benchmark's __rand_int__ names
+        for s in range(0, len(keys), 64):
+            store.put_many(list(zip(keys[s:s + 64], values[s:s + 64])), overwrite=True)
+        store.get_many(keys[:batch])  # connect
+        nbytes, t = 0, time.perf_counter()
+        for _ in range(repeats):
+            for s in range(0, len(keys), batch):
+                nbytes += sum(len(v) for v in store.get_many(keys[s:s + batch]) if v is not None)
+        ours = nbytes / (time.perf_counter() - t) / 1e6
+        client = redis.Redis(port=srv.port)
+        hits0 = int(client.info("stats")["keyspace_hits"])
+        cmd = ["redis-benchmark", "-p", str(srv.port), "-P", "16", "-c", "1", "-n", str(requests), "-r",
+               str(len(keys)), "-q", "GET", "bench:__rand_int__"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout.replace("\r", "\n")
+        rps = float(re.findall(r"([\d.]+) requests per second", out)[-1])
+        hits = int(client.info("stats")["keyspace_hits"]) - hits0
+        mean = sum(len(v) for v in values) / len(values)
+        return {"get_many_MB_per_s": ours, "redis_benchmark_MB_per_s": rps * mean / 1e6,
+                "redis_benchmark_hits": hits, "requests": requests, "keys": len(keys), "mean_value": mean,
+                "command": " ".join([*cmd[:1], "-p", "PORT", *cmd[3:]])}
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------ daemon fill from the NFS stand-in
 def decode_bound(root: str, decoder: Any, n: int = 200) -> float:
     """Single-process decode + encode rate (samples/s) of a backend, bytes already in memory."""
