@@ -61,7 +61,7 @@ def _rebuild(shm: dict[str, tuple[torch.Tensor, int, str]], state: dict[str, Any
 def _to_shared(a: np.ndarray) -> tuple[torch.Tensor, int, str]:
     raw = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
     t = torch.empty(max(1, raw.size), dtype=torch.uint8).share_memory_()  # 0 bytes cannot be mapped
-    t[: raw.size] = torch.from_numpy(raw)
+    t.numpy()[: raw.size] = raw  # copy through numpy: the source columns are read-only views
     return t, raw.size, a.dtype.str
 
 

@@ -54,14 +54,12 @@ import fsspec
 
 import datacache.slowfs  # noqa: F401  (registers the slowfile:// protocol)
 from datacache.config import default_t1_dir
-
-try:
-    import aiohttp
-
-    _AIOHTTP_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
-except ImportError:  # pragma: no cover
-    aiohttp = None  # type: ignore[assignment]
-    _AIOHTTP_ERRORS = ()
+from datacache.source_errors import (
+    _LOCAL_PROTOCOLS,
+    SizeMismatchError,
+    SourceError,
+    is_transient,
+)
 
 _INIT_LOCK = threading.Lock()
 
@@ -86,67 +84,6 @@ def _t1_unwrap(raw: bytes, identity: str) -> bytes | None:
     """The payload of a T1 entry if it was written for ``identity``, else None."""
     head = _t1_header(identity)
     return raw[len(head):] if raw.startswith(head) else None
-
-_PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-_LOCAL_PROTOCOLS = ("file", "local")
-
-
-class SizeMismatchError(OSError):
-    """The bytes read differ in length from the manifest's size (transient: retried, never cached)."""
-
-    def __init__(self, got: int, expected: int) -> None:
-        super().__init__(f"read {got} bytes but the listing says {expected}: the file changed since the "
-                         "dataset was listed, or the read was cut short (re-list with revalidate='full' "
-                         "to pick up the new version)")
-        self.got = got
-        self.expected = expected
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (SizeMismatchError, (self.got, self.expected))
-
-
-class SourceError(Exception):
-    """A file could not be read; ``.path`` names it, ``.cause`` is the underlying error."""
-
-    def __init__(self, path: str, cause: BaseException | str) -> None:
-        self.path = path
-        self.cause = cause
-        super().__init__(f"cannot read {path}: {_advice(cause)}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (SourceError, (self.path, self.cause if _picklable(self.cause) else repr(self.cause)))
-
-
-def _picklable(e: Any) -> bool:
-    return isinstance(e, (str, SizeMismatchError, OSError, TimeoutError, ValueError))
-
-
-def _advice(cause: BaseException | str) -> str:
-    if isinstance(cause, str):
-        return cause
-    if isinstance(cause, FileNotFoundError):
-        return ("file does not exist (deleted, moved, or a dangling symlink); restore it or rebuild the "
-                "manifest")
-    if isinstance(cause, IsADirectoryError):
-        return "it is a directory, not a file; rename or remove it"
-    if isinstance(cause, NotADirectoryError):
-        return "a component of the path is not a directory; check the dataset layout"
-    if isinstance(cause, PermissionError):
-        return "permission denied; fix the file permissions or the storage credentials"
-    if isinstance(cause, SizeMismatchError):
-        return str(cause)
-    return f"{type(cause).__name__}: {cause}; check the storage/network health (retried with backoff)"
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether retrying ``exc`` can help (see the module docstring)."""
-    if isinstance(exc, _PERMANENT):
-        return False
-    if _AIOHTTP_ERRORS and isinstance(exc, _AIOHTTP_ERRORS):
-        status = getattr(exc, "status", None)
-        return not (isinstance(status, int) and 400 <= status < 500 and status != 429)
-    return isinstance(exc, (OSError, TimeoutError))
-
 
 def normalise_url(url: str) -> str:
     """Plain paths become absolute ``file://`` URLs; URLs are returned unchanged."""
