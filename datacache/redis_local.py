@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,21 +27,53 @@ import time
 from dataclasses import dataclass, field
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the cluster bus uses port + 10000: checked too)."""
-    for _ in range(200):
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to client sockets (``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int = 1) -> int:
+    """The first of ``n`` consecutive free loopback ports whose cluster-bus ports (+ 10000) are
+    free too.
+
+    Picked below the kernel's ephemeral range, bus ports included, where that range allows
+    (Linux's default 32768-60999 leaves bases 10000-22767): a port picked *inside* it can be
+    taken by any client socket's ephemeral port between this check and the server's bind (a
+    parallel test's connection), which made a cluster master fail to start once in a few hundred
+    runs. Outside it only another deliberate listener can collide."""
+    low = _ephemeral_low()
+    rng = random.Random()  # its own RNG: tests seed the global one
+    top = low - 10000 - n
+    candidates = [rng.randrange(10000, top) for _ in range(200)] if top > 10000 else []
+    for base in candidates:
+        if all(_bindable(p) and _bindable(p + 10000) for p in range(base, base + n)):
+            return base
+    for _ in range(200):  # an unusual ephemeral range: fall back to the kernel's choice
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free loopback port pair (port, port + 10000) found")
+            base = s.getsockname()[1]
+        if base + n - 1 + 10000 <= 65535 and all(
+                _bindable(p) and _bindable(p + 10000) for p in range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} free consecutive loopback ports (with their bus ports + 10000) found")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 whose cluster-bus port (+ 10000) is free too (see :func:`free_ports`)."""
+    return free_ports(1)
 
 
 def redis_available() -> str | None:

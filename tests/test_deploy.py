@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from cache_daemon.config import load_config
-from datacache.redis_local import RedisServer, free_port
+from datacache.redis_local import RedisServer, free_port, free_ports
 from tests.redis_utils import needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,9 +134,11 @@ def test_redis_conf_runs_a_cluster_for_the_acl_user(tmp_path) -> None:
 
 @needs_redis
 def test_local_cluster_script_up_fill_down(tmp_path) -> None:
-    port, http = free_port(), free_port()
-    while any(p in (port + 1, port + 2) for p in (http, http + 1, http + 2)):
-        http = free_port()
+    port = free_ports(3)  # PORT..PORT+2 and their bus ports, as the script uses them
+    taken = {port + i + bus for i in range(3) for bus in (0, 10000)}
+    http = free_ports(3)
+    while taken & {http, http + 1, http + 2}:
+        http = free_ports(3)
     env = {**os.environ, "PYTHON": sys.executable, "PORT": str(port), "HTTP_PORT": str(http),
            "DIR": str(tmp_path / "lc"), "IMAGES": "30", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     script = os.path.join(DEPLOY, "local-cluster.sh")
