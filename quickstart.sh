@@ -2,6 +2,7 @@
 # Quick start for a fresh machine. Two commands:
 #   ./quickstart.sh demo [ARGS...]   install, then run the main job (`datacache demo`) on the embedded LMDB cache
 #   ./quickstart.sh test [ARGS...]   install (with test extras and redis-server), then run ruff + the test suite
+#                                    (EXTRAS=dali also installs DALI, so its CPU tests run instead of skipping)
 #   ./quickstart.sh python           print the interpreter the two commands use (creates .venv if needed)
 #
 # Where it installs: into the active virtual environment when there is one (VIRTUAL_ENV is set,
@@ -75,7 +76,8 @@ case "$cmd" in
     ensure_python
     ensure_torch
     ensure_redis
-    "$PY" -m pip install -q -e '.[test]'
+    # EXTRAS=dali adds DALI's CPU decoder tests (nvidia-dali-cuda120, ~1 GB installed; CI sets it)
+    "$PY" -m pip install -q -e ".[test${EXTRAS:+,$EXTRAS}]"
     "$PY" -m ruff check .
     exec "$PY" -m pytest -q "$@"
     ;;
