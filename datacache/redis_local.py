@@ -178,6 +178,22 @@ class LocalCluster:
             time.sleep(0.1)
         raise RuntimeError(f"cluster at {self.url} did not reach cluster_state:ok in {timeout} s")
 
+    def wait_agreed(self, timeout: float = 30.0) -> None:
+        """Wait until ``redis-cli --cluster check`` finds every slot covered, no slot open (migrating or
+        importing) and every node agreeing on the slot map: a reshard has fully settled."""
+        deadline = time.monotonic() + timeout
+        out = ""
+        while time.monotonic() < deadline:
+            res = subprocess.run(["redis-cli", "--cluster", "check", self.masters[0].addr],
+                                 capture_output=True, text=True, timeout=30)
+            out = res.stdout + res.stderr
+            if (res.returncode == 0 and "[OK] All nodes agree about slots configuration." in out
+                    and "[OK] All 16384 slots covered." in out and "[WARNING]" not in out):
+                self.wait_ok(max(1.0, deadline - time.monotonic()))
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster at {self.url} did not settle in {timeout} s:\n{out}")
+
     def restart_empty(self, i: int) -> None:
         """Restart master ``i`` on its port with its cluster config but no data (it lost its memory)."""
         m = self.masters[i]

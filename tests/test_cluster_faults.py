@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_master_killed_mid_epoch_then_restarted_empty(fresh_cluster, imagefolder
     assert warm["decoded"] == 0 and warm["hits"] == n and warm["hit_ratio"] == 1.0
 
 
-def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_cluster) -> None:
+def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_cluster, caplog) -> None:
     from cache_daemon.config import DaemonConfig
     from cache_daemon.ownership import owned_mask
     from datacache.stores import open_store
@@ -104,15 +105,19 @@ def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_clust
                           "--cluster-to", ids[b.addr], "--cluster-slots", "3000", "--cluster-yes"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    fresh_cluster.wait_agreed()  # no slot left open, every node has the new map
     # the truth after the move, asked of the servers themselves (not of the store's slot map)
     moved = [k for k, o in zip(keys, before)
              if o == a.addr and cli(b.port, "cluster", "countkeysinslot",
                                     cli(b.port, "cluster", "keyslot", k.decode())) != "0"]
     assert moved
+    caplog.set_level(logging.DEBUG, logger="datacache.stores")  # every failure, not just the first
     got = s.get_many(keys)  # the store still routes the moved keys to a: MOVED -> misses, no exception
     missed = [k for k, g in zip(keys, got) if g is None]
     # (later byte-capped chunks of the same call may already use the refreshed map)
-    assert missed and set(missed) <= set(moved) and s.counters()["unavailable"] == len(missed)
+    why = f"counters {s.counters()}; log:\n{caplog.text}"
+    assert missed and set(missed) <= set(moved), why
+    assert s.counters()["unavailable"] == len(missed), why
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(g is None for g in s.get_many(keys)):
         time.sleep(0.1)  # the background slot refresh catches up

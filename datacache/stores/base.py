@@ -128,6 +128,8 @@ class BaseStore:
                     "cannot be written: new samples are served from the source but not cached")
             log.warning("%s %s (%s: %s). %s Counted in stats()['%s_errors']; further failures are not "
                         "logged.", self.url, what, type(exc).__name__, exc, self._advice(exc), kind)
+        else:
+            log.debug("%s: %s of %d keys failed (%s: %s)", self.url, kind, n, type(exc).__name__, exc)
 
     def _advice(self, exc: BaseException) -> str:
         """What the user can do about ``exc`` (subclasses specialise)."""
