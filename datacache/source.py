@@ -54,13 +54,9 @@ import fsspec
 
 import datacache.slowfs  # noqa: F401  (registers the slowfile:// protocol)
 from datacache.config import default_t1_dir
-from datacache.source_errors import (
-    _LOCAL_PROTOCOLS,
-    SizeMismatchError,
-    SourceError,
-    is_transient,
-)
+from datacache.source_errors import SizeMismatchError, SourceError, is_transient
 
+_LOCAL_PROTOCOLS = ("file", "local")
 _INIT_LOCK = threading.Lock()
 
 

@@ -68,7 +68,9 @@ def _advice(cause: BaseException | str) -> str:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying ``exc`` can help (see the module docstring)."""
+    """Whether retrying ``exc`` can help: ``OSError``/``TimeoutError`` other than not-found,
+    is-a-directory, not-a-directory and permission errors; aiohttp client errors other than 4xx
+    (429 is retried)."""
     if isinstance(exc, _PERMANENT):
         return False
     if _AIOHTTP_ERRORS and isinstance(exc, _AIOHTTP_ERRORS):
@@ -76,5 +78,3 @@ def is_transient(exc: BaseException) -> bool:
         return not (isinstance(status, int) and 400 <= status < 500 and status != 429)
     return isinstance(exc, (OSError, TimeoutError))
 
-
-_LOCAL_PROTOCOLS = ("file", "local")
