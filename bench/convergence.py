@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, 
 from client.dataset import CachedImageNet
 from datacache.config import user_cache_dir
 from trainer.digits import render
+from trainer.distenv import free_port
 
 METHODS = {"dense": ["--comm", "allreduce"],
            "topk": ["--comm", "naive_ag", "--selector", "exact"],
@@ -43,15 +43,9 @@ LARS = ["--comm", "allreduce", "--optimizer", "lars", "--lr", "1.0", "--trust-co
 PTO = {"lars": [*LARS, "--no-pto"], "pto_lars": [*LARS, "--pto"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch_2x2(args: list[str], log: str, timeout: float = 1800.0) -> None:
     """Two ``torchrun`` node launchers (2 processes each) on loopback; raises on any failure."""
-    port = str(_free_port())
+    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
     for node in (0, 1):

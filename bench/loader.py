@@ -82,14 +82,20 @@ class NaivePILDataset(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        with Image.open(self.files[i]) as im:
-            im = im.convert("RGB")
-            top, left, h, w = rrc_params(im.height, im.width)  # torchvision's parameter sampling
-            im = im.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
-            if torch.rand(1).item() < 0.5:
-                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            arr = np.asarray(im)
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous(), self.targets[i]
+        return pil_rrc_flip(self.files[i], SIZE), self.targets[i]
+
+
+def pil_rrc_flip(src: Any, size: int) -> torch.Tensor:
+    """Decode ``src`` (a path or a file object) with PIL, random-resized-crop to ``size`` and flip
+    in PIL, as torchvision's per-sample transforms do: a contiguous uint8 CHW tensor."""
+    with Image.open(src) as im:
+        im = im.convert("RGB")
+        top, left, h, w = rrc_params(im.height, im.width)  # torchvision's parameter sampling
+        im = im.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+        if torch.rand(1).item() < 0.5:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        arr = np.asarray(im)
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
 
 
 def copy_windows(images: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:

@@ -44,19 +44,18 @@ from typing import Any
 import fsspec
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
 from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
-from bench.loader import ensure_dataset
-from client.augment import AugmentCollate, rrc_params, untag
+from bench.loader import ensure_dataset, pil_rrc_flip
+from client.augment import AugmentCollate, untag
 from client.crop import TaggedDataset, pack_windows
 from client.dataset import CachedImageNet
 from datacache.config import user_cache_dir
 from datacache.manifest import Manifest
 from trainer.config import make_config
-from trainer.data import DistributedBatchSampler, train_loader, worker_context
+from trainer.data import DistributedBatchSampler, train_loader, worker_kwargs
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import init_distributed
 from trainer.loop import StepContext, train_epoch
@@ -65,10 +64,6 @@ from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
 SIZE = 64
 ROUNDS = 2
 LATENCY_MS, MBPS = 5.0, 50.0
-
-
-def _worker_init(_: int) -> None:
-    torch.set_num_threads(1)  # worker-process boundary: the workers' parallelism is the processes
 
 
 class NaiveSlowDataset:
@@ -88,14 +83,7 @@ class NaiveSlowDataset:
         if self._fs is None:  # per process (fork boundary): each worker has its own 50 MB/s link
             self._fs = fsspec.filesystem("slowfile", latency_ms=LATENCY_MS, mbps=MBPS)
         data = self._fs.cat_file(os.path.join(self.base, self.paths[i]))
-        with Image.open(io.BytesIO(data)) as im:
-            im = im.convert("RGB")
-            top, left, h, w = rrc_params(im.height, im.width)
-            im = im.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
-            if torch.rand(1).item() < 0.5:
-                im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            arr = np.asarray(im)
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1), int(self.labels[i])
+        return pil_rrc_flip(io.BytesIO(data), SIZE), int(self.labels[i])
 
 
 def _stack(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +105,7 @@ class CopyWindowCollate:
 def _loader(ds: Any, sampler: Any, collate: Any, workers: int) -> DataLoader:
     # workers start like the trainer's (a forkserver: this process is multithreaded by then)
     return DataLoader(TaggedDataset(ds), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
-                      persistent_workers=True, worker_init_fn=_worker_init, prefetch_factor=4,
-                      multiprocessing_context=worker_context())
+                      prefetch_factor=4, **worker_kwargs(workers))
 
 
 def _loader_rate(loader: DataLoader, sampler: DistributedBatchSampler, epoch: int,

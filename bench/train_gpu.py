@@ -20,11 +20,10 @@ from torch import nn
 
 from bench.common import write_results
 from client.dataset import CachedImageNet
-from trainer.comm import maybe_step
 from trainer.config import make_config
 from trainer.data import DistributedBatchSampler, train_loader
 from trainer.device_augment import DeviceAugment
-from trainer.loop import StepContext, set_lr
+from trainer.loop import StepContext, train_step
 from trainer.prefetch import Prefetcher
 from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
 
@@ -43,12 +42,7 @@ def _run(ctx: StepContext, batches: Any, steps: int) -> dict[str, float]:
         x, y = next(it)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        set_lr(ctx.optimizer, 0.1)
-        with ctx.amp.autocast():
-            loss = ctx.loss_fn(ctx.ddp(x), y)
-        ctx.amp.scaler.scale(loss).backward()  # type: ignore[union-attr]
-        maybe_step(ctx.optimizer, ctx.state, ctx.amp.scaler)
-        ctx.optimizer.zero_grad(set_to_none=True)
+        train_step(ctx, x, y, 0.1)  # the trainer's own step (its one host sync is in maybe_step)
         end.record()
         if k >= WARMUP:
             spans.append((start, end))

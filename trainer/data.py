@@ -76,9 +76,9 @@ class DistributedBatchSampler:
             raise ConfigError(f"start step {start_step} is outside epoch {epoch}'s {self.steps_in_epoch()} "
                               "steps (a checkpoint from another batch size or dataset?)")
 
-    def rank_order(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's sample order for ``epoch`` (DistributedSampler's, shuffle=True)."""
-        g = torch.Generator().manual_seed(self.seed + (self.epoch if epoch is None else epoch))
+    def rank_order(self) -> np.ndarray:
+        """This rank's sample order for the current epoch (DistributedSampler's, shuffle=True)."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(len(self.indices), generator=g).numpy()
         total = math.ceil(len(perm) / self.world_size) * self.world_size
         perm = np.concatenate([perm, perm[: total - len(perm)]]) if total > len(perm) else perm
@@ -98,7 +98,7 @@ class DistributedBatchSampler:
         b = self.batch_size
         for step in range(self.start_step, self.steps_in_epoch()):
             chunk = order[step * b:(step + 1) * b]
-            yield BatchRequest(tuple(int(i) for i in chunk), self.epoch, step, self.rank)
+            yield BatchRequest(tuple(chunk.tolist()), self.epoch, step, self.rank)
 
 
 class ShardSampler:
@@ -143,15 +143,21 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)
 
 
+def worker_kwargs(workers: int) -> dict[str, Any]:
+    """The DataLoader options of the trainer's worker processes (none without workers)."""
+    if workers <= 0:
+        return {}
+    return {"persistent_workers": True, "worker_init_fn": _worker_init,
+            "multiprocessing_context": worker_context()}
+
+
 def train_loader(dataset: Any, sampler: DistributedBatchSampler, *, workers: int, seed: int,
                  crop_scale: float = 0.08, flip: bool = True, pin_memory: bool = False) -> DataLoader:
     """Persistent-worker loader of :class:`~client.crop.CropBatch`\\ es (crop windows only)."""
     collate = CropCollate(seed=seed, scale=(crop_scale, 1.0), flip_p=0.5 if flip else 0.0)
     return DataLoader(TaggedDataset(dataset), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
-                      pin_memory=pin_memory, persistent_workers=workers > 0,
-                      worker_init_fn=_worker_init if workers > 0 else None,
-                      multiprocessing_context=worker_context() if workers > 0 else None,
-                      prefetch_factor=4 if workers > 0 else None)
+                      pin_memory=pin_memory, prefetch_factor=4 if workers > 0 else None,
+                      **worker_kwargs(workers))
 
 
 def val_loader(dataset: Any, indices: Sequence[int], size: int, *, world_size: int, rank: int,
@@ -162,5 +168,4 @@ def val_loader(dataset: Any, indices: Sequence[int], size: int, *, world_size: i
     sampler = ShardSampler(indices, world_size, rank, batch_size)
     return DataLoader(TaggedDataset(dataset), batch_sampler=sampler, num_workers=workers,
                       collate_fn=CenterCropCollate(size, crop_fraction), pin_memory=pin_memory,
-                      persistent_workers=workers > 0, worker_init_fn=_worker_init if workers > 0 else None,
-                      multiprocessing_context=worker_context() if workers > 0 else None)
+                      **worker_kwargs(workers))

@@ -39,7 +39,8 @@ class DistInfo:
         return self.world_size // self.local_world_size
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a single-process run's rendezvous, the benchmarks' torchrun)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -58,7 +59,7 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     """Initialise (or reuse) the default process group; returns the rank layout and device."""
     if "RANK" not in os.environ:  # not under torchrun: a one-process group
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     device = pick_device(device_pref)

@@ -9,7 +9,6 @@ optimizer and GradScaler state -> the DDP layout warm-up (:func:`trainer.setup.l
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,18 +143,17 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
         sampler.set_epoch(epoch, gbs // world, first, cfg.steps_per_epoch)
         steps = sampler.steps_in_epoch()
         before = data.train.stats()
-        counter = {"gstep": gstep}
 
-        def on_step(step: int, epoch: int = epoch, steps: int = steps, counter: dict = counter) -> None:
-            counter["gstep"] += 1
-            if cfg.checkpoint_every and counter["gstep"] % cfg.checkpoint_every == 0 and step < steps:
-                _save(cfg, info, model, ctx, checkpoint.Position(epoch, step, counter["gstep"]),
+        def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first) -> None:
+            g = g0 + step  # the global step just completed
+            if cfg.checkpoint_every and g % cfg.checkpoint_every == 0 and step < steps:
+                _save(cfg, info, model, ctx, checkpoint.Position(epoch, step, g),
                       _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]))
 
         stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
                             start_step=first, progress=cfg.progress and info.is_main,
                             record_losses=record_losses, on_step=on_step)
-        gstep = counter["gstep"]
+        gstep += stats.steps
         result.step_losses += stats.step_losses
         rec = _epoch_record(cfg, data, stats, before, res, gbs, world, device)
         rec["comm_method"] = state.active_method or state.config.method  # what the hooks ran
@@ -194,7 +192,7 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
 
 def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pos: checkpoint.Position,
           schedules: dict[str, Any]) -> None:
-    checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
-                    scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
-                    config_json=cfg.to_json(), world_size=info.world_size, keep=cfg.keep_checkpoints)
-    log.info("checkpoint %s", os.path.join(cfg.out, "checkpoints", f"step{pos.global_step:08d}"))
+    d = checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
+                        scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
+                        config_json=cfg.to_json(), world_size=info.world_size, keep=cfg.keep_checkpoints)
+    log.info("checkpoint %s", d)

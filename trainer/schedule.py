@@ -79,9 +79,6 @@ class EpochSchedule(Generic[T]):
                 current = value
         return current
 
-    def values(self) -> list[T]:
-        return [v for _, v in self.phases]
-
 
 def positive_int(text: str) -> int:
     v = int(text)
