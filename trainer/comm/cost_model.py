@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.comm.names import FINAL_GATHER_FORMS as FINAL_GATHER_CHOICES
-from trainer.comm.names import METHOD_CHOICES, PHASES
+from trainer.comm.names import FINAL_GATHER_FORMS, METHOD_CHOICES, PHASES, check_choice
 
 INDEX_BYTES = 4  # int32 indices (trainer/comm/collectives.py::all_gather_packed bit-casts them)
 
@@ -123,11 +122,8 @@ class CostConfig:
     final_gather: str = "dense"
 
     def __post_init__(self) -> None:
-        if self.method not in METHOD_CHOICES:
-            raise ValueError(f"unknown method {self.method!r}; valid methods: {', '.join(METHOD_CHOICES)}")
-        if self.final_gather not in FINAL_GATHER_CHOICES:
-            raise ValueError(f"unknown final_gather {self.final_gather!r}; valid: "
-                             f"{', '.join(FINAL_GATHER_CHOICES)}")
+        check_choice("CostConfig.method", self.method, METHOD_CHOICES)
+        check_choice("CostConfig.final_gather", self.final_gather, FINAL_GATHER_FORMS)  # no "auto" here
         for name, v in (("d (elements)", self.d), ("m (nodes)", self.m), ("n (ranks per node)", self.n)):
             if int(v) != v or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -360,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fp16", action="store_true", help="fp16 values on the wire for sparse methods")
     ap.add_argument("--no-nic-shared", action="store_true",
                     help="each inter stream gets the full NIC (as eq. 9 is written)")
-    ap.add_argument("--final-gather", choices=FINAL_GATHER_CHOICES, default="dense")
+    ap.add_argument("--final-gather", choices=FINAL_GATHER_FORMS, default="dense")
     ap.add_argument("--no-compute", action="store_true", help="drop the compute terms (pure alpha-beta)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     a = ap.parse_args(argv)

@@ -14,8 +14,10 @@ overflow check runs even with ``nan_check=False``: it is part of the wire format
 
 How: the wrapper marks the call (a context variable read by ``hooks.run_method`` while the hook
 body runs; the asynchronous tail of a dense all-reduce captures it at launch), so it composes
-with the schedule's switching hook as well. It wraps this package's hooks only: they do the
-casting at the right point of each algorithm; use torch's own wrapper for other hooks.
+with the schedule's switching hook as well. ``CommConfig(fp16=True)`` takes the same path:
+``run_method`` reads ``config.fp16 or wire_fp16()``, so ``make_hook`` adds no wrapper for it.
+It wraps this package's hooks only: they do the casting at the right point of each algorithm;
+use torch's own wrapper for other hooks.
 """
 
 import contextvars
@@ -33,6 +35,12 @@ Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 def wire_fp16() -> bool:
     """Whether the hook running now sends float16 (set by :func:`fp16_wrapper`)."""
     return _WIRE_FP16.get()
+
+
+def checks_finite(nan_check: bool, fp16: bool) -> bool:
+    """Whether a result is checked for NaN/inf: when ``nan_check`` asks, and ALWAYS with float16
+    on the wire, whose overflow to inf is part of the format (see the module docstring)."""
+    return nan_check or fp16
 
 
 def fp16_wrapper(hook: Hook) -> Hook:

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from trainer.comm.allreduce import allreduce_dense
 from trainer.comm.config import CommConfig
-from trainer.comm.fp16 import fp16_wrapper, wire_fp16
+from trainer.comm.fp16 import checks_finite, wire_fp16
 from trainer.comm.hitopk import hitopk_ex
 from trainer.comm.naive_ag import naive_ag_ex
 from trainer.comm.names import SPARSE_METHODS
@@ -72,8 +72,8 @@ def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Futu
     topo = state.ensure_topology()
     flat: Tensor = bucket.buffer()
     world = topo.world_size
-    fp16 = cfg.fp16 or wire_fp16()
-    check = cfg.nan_check or fp16  # an fp16 overflow is always checked: the wire format causes it
+    fp16 = cfg.fp16 or wire_fp16()  # the config's switch, or an fp16_wrapper around this hook
+    check = checks_finite(cfg.nan_check, fp16)
     warmup = cfg.dense_first_step and state.fresh
     sparse = method in SPARSE_METHODS and flat.numel() >= cfg.min_numel_for_sparse and not warmup
     if sparse:
@@ -156,10 +156,9 @@ HOOKS: dict[str, Callable[[HookState, Any], torch.futures.Future[Tensor]]] = {
 
 
 def make_hook(config: CommConfig) -> Callable[[HookState, Any], torch.futures.Future[Tensor]]:
-    """The hook for ``config``: the switching hook when a schedule is set, else the method's;
-    wrapped by :func:`~trainer.comm.fp16.fp16_wrapper` when ``config.fp16``."""
-    hook = switch_hook if config.schedule is not None else HOOKS[config.method]
-    return fp16_wrapper(hook) if config.fp16 else hook
+    """The hook for ``config``: the switching hook when a schedule is set, else the method's.
+    ``config.fp16`` needs no :func:`~trainer.comm.fp16.fp16_wrapper`: the hook reads it itself."""
+    return switch_hook if config.schedule is not None else HOOKS[config.method]
 
 
 def register(ddp_model: nn.parallel.DistributedDataParallel, state: HookState | CommConfig,

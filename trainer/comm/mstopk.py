@@ -68,7 +68,6 @@ class MSTopKResult:
     indices: Tensor  # int32, unique, ascending, [k]
     threshold_key: Tensor  # 0-d: the k-th largest magnitude key (selected: every key above, lowest ties)
     path: str  # "trivial" | "device" | "compact" | "fallback"
-    num_candidates: int  # elements the threshold search counted over
 
     @property
     def threshold(self) -> Tensor:
@@ -92,7 +91,7 @@ def _device_path(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return select_exactly_k(keys, thres, k), thres
 
 
-def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor, int] | None:
+def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor] | None:
     """CPU: bracket, compact, search the candidates. None when the bracket left < k candidates."""
     t_hi = None
     if t_lo is None:
@@ -102,10 +101,9 @@ def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor, 
         t_lo = int(top[lo_rank - 1])
         t_hi = int(top[hi_rank - 1]) if hi_rank else None
     idx, keys = compact_at_least(x, t_lo)
-    nc = idx.numel()
-    if nc < k:
+    if idx.numel() < k:
         return None
-    band, kb, hi = keys, k, int(keys.max())
+    band, kb, hi = keys, k, None
     if t_hi is not None:
         # Entries above t_hi are surely selected when fewer than k of them exist; the search
         # then runs on the band [t_lo, t_hi] only (~5x fewer keys at 25M, k = 1 %).
@@ -113,6 +111,8 @@ def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor, 
         n_sure = int(torch.count_nonzero(above))
         if n_sure < k:
             band, kb, hi = torch.masked_select(keys, ~above), k - n_sure, t_hi
+    if hi is None:  # no t_hi, or a wrong one: the band is every candidate
+        hi = int(keys.max())
     nbits = (t_lo ^ hi).bit_length()  # bits above these are common to every key in the band
     thres = kth_largest_key(band, kb, nbits, start=(t_lo >> nbits) << nbits)
     at_least = keys >= thres
@@ -120,7 +120,7 @@ def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor, 
         pos = torch.nonzero(at_least).squeeze(1)
     else:
         pos = select_exactly_k(keys, thres, k)
-    return take(idx, pos), thres, nc
+    return take(idx, pos), thres
 
 
 def mstopk_with_info(x: Tensor, k: int, *, path: str = "auto",
@@ -139,7 +139,7 @@ def mstopk_with_info(x: Tensor, k: int, *, path: str = "auto",
         idx = torch.arange(k, device=x.device)
         top = 0 if k else (1 << key_bits(x.dtype)) - 1  # k == n: every key is >= 0
         key = torch.full((), top, dtype=key_dtype(x.dtype), device=x.device)
-        return MSTopKResult(take(x, idx), idx.to(torch.int32), key, "trivial", 0)
+        return MSTopKResult(take(x, idx), idx.to(torch.int32), key, "trivial")
     compact = path == "compact" or (
         path == "auto" and host_reads_free(x) and n >= COMPACT_MIN_NUMEL and k <= COMPACT_MAX_DENSITY * n)
     if compact:
@@ -147,10 +147,10 @@ def mstopk_with_info(x: Tensor, k: int, *, path: str = "auto",
             raise ValueError("mstopk: path='compact' needs a CPU tensor (data-dependent sizes); use 'device'")
         found = _compact_path(x, k, bracket_key)
         if found is not None:
-            pos, thres, nc = found
-            return MSTopKResult(take(x, pos), pos.to(torch.int32), thres, "compact", nc)
+            pos, thres = found
+            return MSTopKResult(take(x, pos), pos.to(torch.int32), thres, "compact")
     pos, thres = _device_path(x, k)
-    return MSTopKResult(take(x, pos), pos.to(torch.int32), thres, "fallback" if compact else "device", n)
+    return MSTopKResult(take(x, pos), pos.to(torch.int32), thres, "fallback" if compact else "device")
 
 
 def mstopk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 # Aggregation methods, in the order tables and plots show them (dense ring, 2D-Torus, NaiveAG, HiTopKComm).
 METHOD_CHOICES: tuple[str, ...] = ("allreduce", "torus", "naive_ag", "hitopk")
 SPARSE_METHODS: tuple[str, ...] = ("naive_ag", "hitopk")  # top-k + error feedback
-DENSE_METHODS: tuple[str, ...] = ("allreduce", "torus")
 
 # Top-k selectors (trainer/comm/selectors.py maps each name to its function).
 SELECTOR_CHOICES: tuple[str, ...] = ("mstopk", "exact", "dgc")

@@ -64,12 +64,12 @@ def take(t: Tensor, idx: Tensor) -> Tensor:
 
 def key_dtype(dtype: torch.dtype) -> torch.dtype:
     """The signed integer type of the same width as float ``dtype`` (the key type)."""
-    return _KEY_DTYPES[torch.empty((), dtype=dtype).element_size()]
+    return _KEY_DTYPES[dtype.itemsize]
 
 
 def key_bits(dtype: torch.dtype) -> int:
     """Bits of a magnitude key of float ``dtype`` (31 for fp32): keys lie in ``[0, 2**bits)``."""
-    return 8 * torch.empty((), dtype=dtype).element_size() - 1
+    return 8 * dtype.itemsize - 1
 
 
 def magnitude_keys(x: Tensor, out: Tensor | None = None) -> Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from trainer.comm.fp16 import checks_finite
 from trainer.comm.selection import host_reads_free
 from trainer.comm.selectors import get_selector
 
@@ -62,7 +63,7 @@ def wire_and_flag(values: Tensor, fp16: bool, check: bool) -> tuple[Tensor, Tens
     like a NaN, so the step is skipped on every rank instead of sending an unflagged inf.
     """
     sent = values.to(torch.float16) if fp16 else values
-    return sent, (nonfinite_flag(sent) if check or fp16 else None)
+    return sent, (nonfinite_flag(sent) if checks_finite(check, fp16) else None)
 
 
 def flag_is_set(flag: Tensor) -> bool | None:

@@ -3,11 +3,11 @@
 ``node = rank // local_size`` and ``local_rank = rank % local_size``: the hooks assume ranks are
 numbered node by node with the same ``local_size`` on every node (what torchrun does).
 :meth:`Topology.from_env` checks that assumption once, at start-up: it gathers every rank's host
-name, ``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` (one ``all_gather_object``) and raises a clear
-``ValueError`` -- on every rank alike, since all decide from the same gathered list -- when a
-node's ranks sit on different hosts, local sizes differ, or ``LOCAL_RANK`` disagrees with the
-numbering. One host may hold several nodes (emulated nodes: tests, the netns benchmark); that is
-logged. Two families of groups:
+name, ``LOCAL_WORLD_SIZE`` and ``LOCAL_RANK`` (one all-gather of a fixed 256-byte record per
+rank, no pickling: :func:`_gather_layout`) and raises a clear ``ValueError`` -- on every rank
+alike, since all decide from the same gathered list -- when a node's ranks sit on different
+hosts, local sizes differ, or ``LOCAL_RANK`` disagrees with the numbering. One host may hold
+several nodes (emulated nodes: tests, the netns benchmark); that is logged. Two families of groups:
 
 * ``intra``: the ``local_size`` ranks of my node (fast links: NVLink / PCIe / shared memory);
 * ``inter``: the ``num_nodes`` ranks that share my local rank, one per node (the slow network).

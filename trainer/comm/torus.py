@@ -59,9 +59,6 @@ def torus_allreduce(flat: Tensor, topo: Topology, *, timer: PhaseTimer | None = 
     if direct:
         return flat
     out = full[:d]
-    if out.dtype != torch.float32:
-        out = out.float()
     if inplace:
-        flat.copy_(out)
-        return flat
-    return out
+        return flat.copy_(out)  # copy_ casts (fp16 wire): no fp32 temporary
+    return out if out.dtype == torch.float32 else out.float()
