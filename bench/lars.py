@@ -34,9 +34,9 @@ from torch import nn
 from tqdm import tqdm
 
 from bench.common import RESULTS_DIR, machine_info, print_machine, write_results
+from trainer.comm.collectives import all_gather_single
 from trainer.models import resnet50
 from trainer.optim.lars import LARS
-from trainer.optim.pto import _all_gather_single
 
 
 def _params_with_grads(seed: int = 0) -> list[nn.Parameter]:
@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, warmup: int, iters: int) -> dict[str, float]:
         torch._foreach_norm([p.grad for p in mine])
 
     def gather() -> None:
-        _all_gather_single(gathered, scalars, None)
+        all_gather_single(gathered, scalars, None)
 
     kw = dict(before=dist.barrier, bar=bar)  # barrier outside the timed region: ranks start together
     res = _medians_ms({"norm_full_ms": plain.trust_ratios, "norm_pto_ms": pto.trust_ratios,

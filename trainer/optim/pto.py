@@ -35,8 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-# Also imported under this name by bench/lars.py.
-from trainer.comm.collectives import all_gather_single as _all_gather_single
+from trainer.comm.collectives import all_gather_single
 
 COLLECTIVE_CHOICES = ("all_gather", "all_reduce")
 
@@ -149,7 +148,7 @@ class PTO:
             out = torch.empty(self.world_size * plan.max_count, dtype=torch.float32, device=device)
             # SYNC POINT with the other ranks of the group: blocks until every rank has
             # reached this step's all-gather (one collective per step, never per layer).
-            _all_gather_single(out, local, group=self.group)
+            all_gather_single(out, local, group=self.group)
             return out[gather_t]
         full = torch.zeros(n_layers, dtype=torch.float32, device=device)
         if plan.mine:
