@@ -36,7 +36,7 @@ from typing import Any
 
 from datacache.cacheurl import parse_cache_url
 from datacache.config import Variant, default_cache_url
-from datacache.fill import Decoder, fill_one
+from datacache.fill import Decoder
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough, manifest_dir_for
 
@@ -86,14 +86,6 @@ def _init_worker(reader: ReadThrough, decoder: Decoder | None, store: Any) -> No
 Result = tuple[int, bytes | None, str, bool]  # (index, record or None, error reason, remember the failure)
 
 
-def _read_chunk(reader: ReadThrough, indices: Sequence[int]) -> list[Any]:
-    """The files of a chunk (bytes, or the SourceError of a file that could not be read)."""
-    man = reader.manifest
-    src = reader.source
-    return src.read_many([man.paths[i] for i in indices], sizes=[int(man.sizes[i]) for i in indices],
-                         identities=[man.identity(i) for i in indices])
-
-
 Chunk = tuple[list[Result], int | None, int]  # results, written by the worker, write errors
 
 
@@ -101,16 +93,11 @@ def _decode_chunk(indices: Sequence[int], datas: list[Any]) -> Chunk:
     """Decode + encode a chunk (in a pool worker) and, for a remote store, write it; the records of
     written samples come back as ``b""`` (decoded, written here)."""
     reader: ReadThrough = _W["reader"]
-    man = reader.manifest
     decoder = _W["decoder"]
     if hasattr(decoder, "prepare"):  # a batch backend (DALI) decodes the whole chunk at once
         decoder.prepare(datas, reader.variant)
-    kw = {"decoder": decoder} if decoder is not None else {}
-    out: list[Result] = []
-    for i, data in zip(indices, datas):
-        got = fill_one(data, rel=man.paths[i], size=int(man.sizes[i]), label=int(man.labels[i]),
-                       key=reader.key(i), variant=reader.variant, **kw)
-        out.append((i, got.record, got.reason, got.remember))
+    out: list[Result] = [(i, got.record, got.reason, got.remember)
+                         for i, got in zip(indices, reader.fill_many(indices, datas, decoder=decoder))]
     store = _W["store"]
     if store is None:
         return out, None, 0
@@ -232,7 +219,7 @@ class _Feeder:
     def _run(self) -> None:
         try:
             while (chunk := self._next()) is not None:
-                datas = _read_chunk(self.reader, chunk)
+                datas = self.reader.read_files(chunk)
                 with self.lock:
                     self.pool.apply_async(_decode_chunk, (chunk, datas), callback=self.done.put,
                                           error_callback=self.done.put)
