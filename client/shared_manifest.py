@@ -24,11 +24,9 @@ import numpy as np
 import torch
 
 from datacache.columns import PackedStrings
-from datacache.manifest import Manifest
+from datacache.manifest import COLUMNS, Manifest
 
 log = logging.getLogger("client.shared_manifest")
-
-_ARRAYS = ("labels", "sizes", "mtimes", "versions")  # Manifest's numpy columns, besides the packed paths
 
 
 class SharedManifest(Manifest):
@@ -37,7 +35,7 @@ class SharedManifest(Manifest):
     _shm: dict[str, torch.Tensor]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        state = {k: v for k, v in self.__dict__.items() if k not in (*_ARRAYS, "packed", "_shm")}
+        state = {k: v for k, v in self.__dict__.items() if k not in (*COLUMNS, "packed", "_shm")}
         return (_rebuild, (self._shm, state))
 
 
@@ -51,7 +49,7 @@ def _rebuild(shm: dict[str, tuple[torch.Tensor, int, str]], state: dict[str, Any
     m = SharedManifest.__new__(SharedManifest)
     m.__dict__.update(state)
     cols = {name: _view(t, n, np.dtype(dt)) for name, (t, n, dt) in shm.items()}
-    for name in _ARRAYS:
+    for name in COLUMNS:
         setattr(m, name, cols[name])
     m.packed = PackedStrings(cols["blob"], cols["offsets"])
     m._shm = shm
@@ -70,7 +68,7 @@ def share_manifest(man: Manifest) -> Manifest:
     shared memory is not available."""
     if isinstance(man, SharedManifest):
         return man
-    arrays = {name: getattr(man, name) for name in _ARRAYS}
+    arrays = {name: getattr(man, name) for name in COLUMNS}
     arrays.update(blob=man.packed.blob, offsets=man.packed.offsets)
     try:
         shm = {name: _to_shared(a) for name, a in arrays.items()}
@@ -78,5 +76,5 @@ def share_manifest(man: Manifest) -> Manifest:
         log.warning("manifest of %d entries stays in private memory (shared memory failed: %s); spawn "
                     "workers receive a copy each", len(man), e)
         return man
-    state = {k: v for k, v in man.__dict__.items() if k not in (*_ARRAYS, "packed")}
+    state = {k: v for k, v in man.__dict__.items() if k not in (*COLUMNS, "packed")}
     return _rebuild(shm, state)

@@ -37,7 +37,6 @@ from urllib.parse import parse_qsl, urlencode
 
 from datacache.config import ConfigError
 
-OPTION_KINDS = ("int", "float", "bytes", "bool", "str")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

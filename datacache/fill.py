@@ -37,13 +37,13 @@ Decoder = Callable[..., np.ndarray]  # decode_image's signature: (data, variant,
 
 
 def fill_one(data: bytes | BaseException, *, rel: str, size: int, label: int, key: bytes,
-             variant: Variant, decoder: Decoder = decode_image) -> Filled:
+             variant: Variant, decoder: Decoder | None = None) -> Filled:
     """Decode ``data`` (or classify the read error it is) into the record stored under ``key``.
     ``decoder`` is Pillow's :func:`~datacache.decode.decode_image` unless a backend (DALI) is given."""
     if isinstance(data, BaseException):
         return Filled(reason=read_failure_reason(data))
     try:
-        pixels = decoder(data, variant, name=rel)
+        pixels = (decode_image if decoder is None else decoder)(data, variant, name=rel)
     except DecodeError as e:
         complete = size >= 0 and len(data) == size
         return Filled(reason=f"cannot decode: {e.reason}", remember=complete and not e.transient)

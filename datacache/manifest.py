@@ -77,6 +77,7 @@ log = logging.getLogger("datacache.manifest")
 REVALIDATE_CHOICES = ("dirs", "full", "none")
 MANIFEST_FORMAT = 2
 _COLUMNS = (("labels", np.int32), ("sizes", np.int64), ("mtimes", np.float64), ("versions", np.uint64))
+COLUMNS = tuple(name for name, _ in _COLUMNS)  # the numpy columns, besides the packed paths
 
 
 def check_revalidate(revalidate: str) -> str:
@@ -156,9 +157,6 @@ class Manifest:
     def targets(self) -> ArrayView:
         """Labels as a read-only sequence of ints (``np.asarray(targets)`` is the int32 array)."""
         return ArrayView(self.labels)
-
-    def path(self, i: int) -> str:
-        return self.packed[i]
 
     def identity(self, i: int) -> str:
         """``size:mtime:version`` of entry ``i``: what T1 entries and remembered failures are keyed by."""

@@ -35,12 +35,12 @@ import numpy as np
 
 from datacache.cacheurl import MAX_TIERS, CacheSpec, StoreSpec, parse_cache_url
 from datacache.config import Variant, user_cache_dir
-from datacache.fill import Decoder, fill_one
+from datacache.fill import Decoder, Filled, fill_one
 from datacache.keys import sample_key
 from datacache.manifest import Manifest
 from datacache.quarantine import parse_quarantine, quarantine_key, quarantine_value
 from datacache.record import decode_record
-from datacache.source import Source
+from datacache.source import Source, SourceError
 
 COUNTERS = (
     "samples", "t2_hits", "t2_misses", "t2_invalid", "t2_bytes", "t2_written", "t2_known_bad",
@@ -94,13 +94,11 @@ class ReadThrough:
 
     def __init__(self, manifest: Manifest, variant: Variant, cache: CacheSpec, *,
                  t1_dir: str | None = "default",
-                 t1_max_bytes: int | None = None, storage_options: dict | None = None,
-                 decoder: Decoder | None = None) -> None:
+                 t1_max_bytes: int | None = None, storage_options: dict | None = None) -> None:
         self.manifest = manifest
         self.variant = variant
         self.cache = cache
         self.tag = variant.tag()
-        self.decoder = decoder
         self._t1_dir = t1_dir
         self._t1_max_bytes = t1_max_bytes
         self._storage_options = storage_options
@@ -125,11 +123,6 @@ class ReadThrough:
         if self._pid != os.getpid():  # forked or unpickled: nothing of another process's handles is used
             self._reset()
             self._pid = os.getpid()
-
-    def open(self) -> None:
-        """Open the store and the source in this process (after a fork or spawn: again)."""
-        self.store  # noqa: B018
-        self.source  # noqa: B018
 
     @property
     def store(self) -> Any:
@@ -166,7 +159,7 @@ class ReadThrough:
         store = self.store
         before = store.counters()
         try:
-            return self._load(indices, counts, threads)
+            return self._load(indices, counts, threads, before)
         finally:
             after = store.counters()
             for name in ("read_errors", "write_errors", "unavailable"):
@@ -174,17 +167,18 @@ class ReadThrough:
             dropped = after.get("writeback_dropped", 0) - before.get("writeback_dropped", 0)
             counts["writeback_dropped"] += dropped
 
-    def _load(self, indices: Sequence[int], counts: dict[str, int], threads: int) -> list[Any]:
+    def _load(self, indices: Sequence[int], counts: dict[str, int], threads: int,
+              before: dict[str, int]) -> list[Any]:
         man = self.manifest
         out: list[Any] = [None] * len(indices)
         keys = self.keys(indices)
         labels = man.labels[list(indices)].tolist()
-        tiers_before = self._store.counters()
         bufs = self._store.get_many(keys)
-        tiers_after = self._store.counters()  # per-tier figures of the sample lookups only
-        for name in _TIER_COUNTERS:
-            if name in tiers_after:
-                counts[name] += tiers_after[name] - tiers_before.get(name, 0)
+        if _TIER_COUNTERS[0] in before:  # a TieredStore: per-tier figures of the sample lookups only
+            after = self._store.counters()
+            for name in _TIER_COUNTERS:
+                if name in after:
+                    counts[name] += after[name] - before.get(name, 0)
         miss: list[int] = []  # positions
         invalid: set[int] = set()
         for pos, (key, buf) in enumerate(zip(keys, bufs)):
@@ -224,7 +218,7 @@ class ReadThrough:
         rest = []
         for pos, q in zip(todo, known):
             i = indices[pos]
-            reason = parse_quarantine(q, man.paths[i], man.identity(i))
+            reason = self.parse_known_bad(i, q)
             if reason is None:
                 rest.append(pos)
             else:
@@ -242,46 +236,29 @@ class ReadThrough:
             logging.getLogger("datacache.readthrough").warning("quarantined %s (%s)", rel, failure.reason)
         return failure
 
-    def _decode_all(self, datas: list[Any], items: list[tuple[int, str, int, int]], threads: int
-                    ) -> list[Any]:
-        def one(arg: tuple[Any, tuple[int, str, int, int]]) -> Any:
-            data, (i, rel, label, size) = arg
-            kw = {"decoder": self.decoder} if self.decoder is not None else {}
-            return fill_one(data, rel=rel, size=size, label=label, key=self.key(i), variant=self.variant,
-                            **kw)
-
-        if threads <= 1 or len(items) < 2:
-            return [one(a) for a in zip(datas, items)]
-        if self._pool is None:  # threads of THIS process (pid-checked with the store in open())
-            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datacache-decode")
-        return list(self._pool.map(one, zip(datas, items)))
-
     def _fill(self, indices: Sequence[int], todo: list[int], invalid: set[int], out: list[Any],
               counts: dict[str, int], threads: int) -> None:
-        man = self.manifest
         src = self.source
         before = src.stats()
         idx = [indices[p] for p in todo]
-        datas = src.read_many([man.paths[i] for i in idx], sizes=[int(man.sizes[i]) for i in idx],
-                              identities=[man.identity(i) for i in idx])
+        datas = self.read_files(idx)
         after = src.stats()
         for k, name in _SOURCE_DELTA.items():
             counts[name] += int(after.get(k, 0)) - int(before.get(k, 0))
-        items = [(i, man.paths[i], int(man.labels[i]), int(man.sizes[i])) for i in idx]
-        filled = self._decode_all(datas, items, threads)
+        filled = self.fill_many(idx, datas, threads=threads)
         fresh: list[tuple[bytes, bytes]] = []
         rewrite: list[tuple[bytes, bytes]] = []
         bad: list[tuple[bytes, bytes]] = []
-        for pos, data, (i, rel, label, _), got in zip(todo, datas, items, filled):
+        for pos, i, data, got in zip(todo, idx, datas, filled):
             if got.record is None:
                 code = SOURCE_FAILURE if isinstance(data, BaseException) else DECODE_FAILURE
                 out[pos] = self._fail(i, Failure(got.reason, code), counts)
                 if got.remember:
-                    bad.append((self.qkey(i), quarantine_value(rel, man.identity(i), got.reason)))
+                    bad.append(self.remember_bad(i, got.reason))
                 continue
             counts["decoded"] += 1
             (rewrite if pos in invalid else fresh).append((self.key(i), got.record))
-            out[pos] = (got.pixels, label)
+            out[pos] = (got.pixels, int(self.manifest.labels[i]))
         # one batched write per kind; failures (read-only cache, full disk) are counted, never raised
         if fresh:
             counts["t2_written"] += self._store.put_many(fresh)
@@ -290,7 +267,33 @@ class ReadThrough:
         if bad:
             self._store.put_many(bad)
 
-    # ------------------------------------------------------------ for warm and the daemon
+    # ------------------------------------------------------------ the fill, shared with warm and the daemon
+    def read_files(self, indices: Sequence[int]) -> list[bytes | SourceError]:
+        """The files of ``indices`` through T1/T0 (``Source.read_many``: concurrent): bytes, or the
+        SourceError of a file that could not be read."""
+        man = self.manifest
+        src = self.source
+        return src.read_many([man.paths[i] for i in indices], sizes=[int(man.sizes[i]) for i in indices],
+                             identities=[man.identity(i) for i in indices])
+
+    def fill_many(self, indices: Sequence[int], datas: Sequence[bytes | BaseException], *,
+                  decoder: Decoder | None = None, threads: int = 1) -> list[Filled]:
+        """:func:`~datacache.fill.fill_one` for each sample of ``indices`` and its bytes (or read error);
+        ``threads`` > 1 decodes concurrently (Pillow releases the GIL)."""
+        man = self.manifest
+
+        def one(arg: tuple[int, bytes | BaseException]) -> Filled:
+            i, data = arg
+            return fill_one(data, rel=man.paths[i], size=int(man.sizes[i]), label=int(man.labels[i]),
+                            key=self.key(i), variant=self.variant, decoder=decoder)
+
+        args = list(zip(indices, datas))
+        if threads <= 1 or len(args) < 2:
+            return [one(a) for a in args]
+        if self._pool is None:  # threads of THIS process (dropped by the pid check after a fork)
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="datacache-decode")
+        return list(self._pool.map(one, args))
+
     def remember_bad(self, index: int, reason: str) -> tuple[bytes, bytes]:
         """The quarantine record for an undecodable file (written by the caller in its batch)."""
         return self.qkey(index), quarantine_value(self.manifest.paths[index], self.manifest.identity(index),
@@ -298,8 +301,3 @@ class ReadThrough:
 
     def parse_known_bad(self, index: int, value: Any) -> str | None:
         return parse_quarantine(value, self.manifest.paths[index], self.manifest.identity(index))
-
-    def close(self) -> None:
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=False)
-        self._pool = None

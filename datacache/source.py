@@ -81,6 +81,11 @@ def _t1_unwrap(raw: bytes, identity: str) -> bytes | None:
     head = _t1_header(identity)
     return raw[len(head):] if raw.startswith(head) else None
 
+
+def _wrong_size(data: bytes, size: int | None) -> bool:
+    """Whether ``data``'s length differs from the manifest's ``size`` (None or -1: unknown)."""
+    return size is not None and size >= 0 and len(data) != size
+
 def normalise_url(url: str) -> str:
     """Plain paths become absolute ``file://`` URLs; URLs are returned unchanged."""
     if "://" in url or "::" in url:
@@ -180,7 +185,7 @@ class Source:
     def _fetch(self, full: str, size: int | None) -> bytes:
         data = self._fs.cat_file(full)
         self._count("bytes_read", len(data))
-        if size is not None and size >= 0 and len(data) != size:
+        if _wrong_size(data, size):
             raise SizeMismatchError(len(data), size)  # transient; never reaches T1
         return data
 
@@ -204,7 +209,7 @@ class Source:
             self._count("t1_misses")
             return None
         data = _t1_unwrap(raw, identity)
-        if data is None or (size is not None and size >= 0 and len(data) != size):
+        if data is None or _wrong_size(data, size):
             self._count("t1_misses")  # another version of the file (or damaged): refilled by the caller
             return None
         if self.t1_max_bytes:
@@ -314,7 +319,7 @@ class Source:
             if isinstance(val, (bytes, bytearray)):
                 data = bytes(val)
                 self._count("bytes_read", len(data))
-                if sz[i] is not None and sz[i] >= 0 and len(data) != sz[i]:
+                if _wrong_size(data, sz[i]):
                     retry.append(i)  # length differs from the listing: transient, retried
                     continue
                 if self.use_t1 and ids[i] is not None:

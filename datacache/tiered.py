@@ -63,7 +63,8 @@ class TieredStore(BaseStore):
         super()._reset_process_state()
         self._pid = os.getpid()
         self._cond = threading.Condition()
-        self._queue: deque[tuple[list[tuple[bytes, bytes]], bool, int]] = deque()
+        # (items, overwrite, bit mask of the target tiers, bytes of the items)
+        self._queue: deque[tuple[list[tuple[bytes, bytes]], bool, int, int]] = deque()
         self._queued_bytes = 0
         self._busy = False
         self._writer: threading.Thread | None = None
@@ -159,7 +160,7 @@ class TieredStore(BaseStore):
                                 "miss). The remote tier is slower than the fill rate or unreachable.",
                                 self.url, len(self._queue), self._queued_bytes / 1e6)
                 return 0
-            self._queue.append((items, overwrite, sum(1 << i for i in targets)))
+            self._queue.append((items, overwrite, sum(1 << i for i in targets), nbytes))
             self._queued_bytes += nbytes
             self._count("writeback_queued", len(items))
             self._cond.notify()
@@ -183,7 +184,7 @@ class TieredStore(BaseStore):
                     self._cond.wait(timeout=1.0)
                     if not self._queue and self._pid != os.getpid():
                         return
-                items, overwrite, mask = self._queue[0]
+                items, overwrite, mask, nbytes = self._queue[0]
                 self._busy = True
             try:
                 for i, tier in enumerate(self.tiers):
@@ -192,7 +193,7 @@ class TieredStore(BaseStore):
             finally:
                 with self._cond:
                     self._queue.popleft()
-                    self._queued_bytes -= sum(len(k) + len(v) for k, v in items)
+                    self._queued_bytes -= nbytes
                     self._busy = False
                     self._cond.notify_all()
 
@@ -216,9 +217,10 @@ class TieredStore(BaseStore):
     def counters(self) -> dict[str, int]:
         """This process's counters: the tiered ones plus the sum over tiers of the error counters."""
         out = dict(self._counters)
+        per_tier = [t.counters() for t in self.tiers]
         for name in BASE_COUNTERS:
             if name.endswith("_errors") or name == "unavailable":
-                out[name] = sum(t.counters().get(name, 0) for t in self.tiers)
+                out[name] = sum(c.get(name, 0) for c in per_tier)
         return out
 
     def stats(self) -> dict[str, Any]:

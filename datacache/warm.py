@@ -36,7 +36,7 @@ from typing import Any
 
 from datacache.cacheurl import parse_cache_url
 from datacache.config import Variant, default_cache_url
-from datacache.fill import Decoder, fill_one
+from datacache.fill import Decoder
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough, manifest_dir_for
 
@@ -86,40 +86,25 @@ def _init_worker(reader: ReadThrough, decoder: Decoder | None, store: Any) -> No
 Result = tuple[int, bytes | None, str, bool]  # (index, record or None, error reason, remember the failure)
 
 
-def _read_chunk(reader: ReadThrough, indices: Sequence[int]) -> tuple[list[Any], int]:
-    """The files of a chunk (bytes, or the SourceError of a file that could not be read), bytes read."""
-    man = reader.manifest
-    src = reader.source
-    before = int(src.stats().get("bytes_read", 0))
-    datas = src.read_many([man.paths[i] for i in indices], sizes=[int(man.sizes[i]) for i in indices],
-                          identities=[man.identity(i) for i in indices])
-    return datas, int(src.stats().get("bytes_read", 0)) - before
+Chunk = tuple[list[Result], int | None, int]  # results, written by the worker, write errors
 
 
-Chunk = tuple[list[Result], int, int | None, int]  # results, bytes read, written by the worker, write errors
-
-
-def _decode_chunk(indices: Sequence[int], datas: list[Any], nbytes: int) -> Chunk:
+def _decode_chunk(indices: Sequence[int], datas: list[Any]) -> Chunk:
     """Decode + encode a chunk (in a pool worker) and, for a remote store, write it; the records of
     written samples come back as ``b""`` (decoded, written here)."""
     reader: ReadThrough = _W["reader"]
-    man = reader.manifest
     decoder = _W["decoder"]
     if hasattr(decoder, "prepare"):  # a batch backend (DALI) decodes the whole chunk at once
         decoder.prepare(datas, reader.variant)
-    kw = {"decoder": decoder} if decoder is not None else {}
-    out: list[Result] = []
-    for i, data in zip(indices, datas):
-        got = fill_one(data, rel=man.paths[i], size=int(man.sizes[i]), label=int(man.labels[i]),
-                       key=reader.key(i), variant=reader.variant, **kw)
-        out.append((i, got.record, got.reason, got.remember))
+    out: list[Result] = [(i, got.record, got.reason, got.remember)
+                         for i, got in zip(indices, reader.fill_many(indices, datas, decoder=decoder))]
     store = _W["store"]
     if store is None:
-        return out, nbytes, None, 0
+        return out, None, 0
     errors = store.counters().get("write_errors", 0)
     written = store.put_many([(reader.key(i), rec) for i, rec, _, _ in out if rec is not None])
     errors = store.counters().get("write_errors", 0) - errors
-    return [(i, b"" if rec is not None else None, r, m) for i, rec, r, m in out], nbytes, written, errors
+    return [(i, b"" if rec is not None else None, r, m) for i, rec, r, m in out], written, errors
 
 
 def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | None = None,
@@ -145,6 +130,9 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
         log.info("fill %s -> %s: %d samples, %d already cached, %d to decode with %d processes",
                  reader.manifest.root, store.url, rep.total, rep.skipped, len(todo), workers)
         errors_before = store.counters().get("write_errors", 0)
+        # Bytes read: the Source's counter over the whole fill. The reader threads share the Source, so
+        # a per-chunk before/after of the counter would also count the other thread's reads.
+        bytes_before = _bytes_read(reader)
         done: queue.Queue = queue.Queue()
         chunks = [todo[s:s + CHUNK] for s in range(0, len(todo), CHUNK)]
         feeder = _Feeder(reader, pool, chunks, done, inflight, stop)
@@ -158,17 +146,23 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
                     raise got
                 finished += 1
                 _write_chunk(reader, store, got, rep)
+                rep.bytes_read = _bytes_read(reader) - bytes_before
                 feeder.slots.release()  # written: the feeder may read one more chunk
                 bar.update(len(got[0]))
                 if on_chunk is not None:
                     on_chunk(rep)
         rep.stopped = feeder.submitted < len(chunks)
+        rep.bytes_read = _bytes_read(reader) - bytes_before
         rep.write_errors = store.counters().get("write_errors", 0) - errors_before + rep.worker_write_errors
     finally:
         pool.terminate()
         pool.join()
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def _bytes_read(reader: ReadThrough) -> int:
+    return int(reader.source.stats().get("bytes_read", 0))
 
 
 def missing_in(reader: ReadThrough, store: Any, indices: Sequence[int], step: int = 4096) -> list[int]:
@@ -225,9 +219,9 @@ class _Feeder:
     def _run(self) -> None:
         try:
             while (chunk := self._next()) is not None:
-                datas, nbytes = _read_chunk(self.reader, chunk)
+                datas = self.reader.read_files(chunk)
                 with self.lock:
-                    self.pool.apply_async(_decode_chunk, (chunk, datas, nbytes), callback=self.done.put,
+                    self.pool.apply_async(_decode_chunk, (chunk, datas), callback=self.done.put,
                                           error_callback=self.done.put)
                     self.submitted += 1
         except BaseException as e:  # a reader failure ends the fill with that error (in the caller)
@@ -242,9 +236,8 @@ class _Feeder:
 
 
 def _write_chunk(reader: ReadThrough, store: Any, got: Chunk, rep: WarmReport) -> None:
-    results, nbytes, written, worker_errors = got
+    results, written, worker_errors = got
     man = reader.manifest
-    rep.bytes_read += nbytes
     good = [(reader.key(i), rec) for i, rec, _, _ in results if rec is not None]
     bad_items = []
     for i, rec, reason, remember in results:

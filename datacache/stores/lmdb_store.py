@@ -303,10 +303,8 @@ class LMDBStore(BaseStore):
                 "readers": info["num_readers"], "readonly": shared.readonly}
 
     def _health(self) -> str:
-        shared = self._acquire()
-        with shared.lock, shared.env.begin() as txn:
-            txn.get(b"datacache:health")
-        return "read-only" if shared.readonly else "read-write"
+        self._read(lambda txn: txn.get(b"datacache:health"), buffers=False)
+        return "read-only" if self._acquire().readonly else "read-write"
 
     def _close(self) -> None:
         """Release this store's reference; the environment closes with the last one in the process
