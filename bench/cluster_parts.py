@@ -95,17 +95,29 @@ def warm_rounds(root: str, caches: dict[str, str], batch: int, workers: int, rou
 
 
 # ------------------------------------------------------------------ batched reads vs redis-benchmark
-def batched_read(url: str, root: str, batch: int, repeats: int = 3) -> dict[str, Any]:
-    """MB/s of ``RedisClusterStore.get_many`` over every key, in batches of ``batch`` keys, one process."""
-    ds = CachedImageNet(root, url, short_side=160, t1_dir=None)
-    store = ds.store.tiers[0]
-    keys = [ds.key(i) for i in range(len(ds))]
+def timed_reads(store: Any, keys: list[bytes], batch: int, repeats: int) -> tuple[int, float]:
+    """(bytes, seconds) of ``repeats`` passes of ``store.get_many`` over ``keys`` in batches of ``batch``,
+    after one untimed batch that connects."""
     store.get_many(keys[:batch])  # connect
     nbytes, t = 0, time.perf_counter()
     for _ in range(repeats):
         for s in range(0, len(keys), batch):
             nbytes += sum(len(v) for v in store.get_many(keys[s:s + batch]) if v is not None)
-    dt = time.perf_counter() - t
+    return nbytes, time.perf_counter() - t
+
+
+def benchmark_rps(out: str) -> float:
+    """GET requests per second reported by ``redis-benchmark -q`` (its last figure: progress lines are
+    separated by carriage returns)."""
+    return float(re.findall(r"([\d.]+) requests per second", out.replace("\r", "\n"))[-1])
+
+
+def batched_read(url: str, root: str, batch: int, repeats: int = 3) -> dict[str, Any]:
+    """MB/s of ``RedisClusterStore.get_many`` over every key, in batches of ``batch`` keys, one process."""
+    ds = CachedImageNet(root, url, short_side=160, t1_dir=None)
+    store = ds.store.tiers[0]
+    keys = [ds.key(i) for i in range(len(ds))]
+    nbytes, dt = timed_reads(store, keys, batch, repeats)
     return {"MB_per_s": nbytes / dt / 1e6, "bytes": nbytes, "seconds": dt,
             "mean_value": nbytes / (repeats * len(keys)), "fetch_bytes": store.fetch_bytes}
 
@@ -132,8 +144,7 @@ def redis_benchmark(cluster: Any, value_bytes: int, requests: int = 20000) -> di
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     rps = []
     for p in procs:
-        out = p.communicate(timeout=300)[0].replace("\r", "\n")
-        rps.append(float(re.findall(r"([\d.]+) requests per second", out)[-1]))
+        rps.append(benchmark_rps(p.communicate(timeout=300)[0]))
     hits = sum(int(c.info("stats")["keyspace_hits"]) - before for c, before in clients)
     return {"command": f"redis-benchmark -p PORT -P 16 -c 1 -n {requests} -q GET KEY (x3, concurrently)",
             "get_requests_per_s": rps, "hits": hits, "requests": requests * len(procs),
@@ -161,18 +172,13 @@ def connection_read(url: str, root: str, batch: int, workdir: str, repeats: int 
         keys = [b"bench:%012d" % i for i in range(len(values))]  # redis-benchmark's __rand_int__ names
         for s in range(0, len(keys), 64):
             store.put_many(list(zip(keys[s:s + 64], values[s:s + 64])), overwrite=True)
-        store.get_many(keys[:batch])  # connect
-        nbytes, t = 0, time.perf_counter()
-        for _ in range(repeats):
-            for s in range(0, len(keys), batch):
-                nbytes += sum(len(v) for v in store.get_many(keys[s:s + batch]) if v is not None)
-        ours = nbytes / (time.perf_counter() - t) / 1e6
+        nbytes, dt = timed_reads(store, keys, batch, repeats)
+        ours = nbytes / dt / 1e6
         client = redis.Redis(port=srv.port)
         hits0 = int(client.info("stats")["keyspace_hits"])
         cmd = ["redis-benchmark", "-p", str(srv.port), "-P", "16", "-c", "1", "-n", str(requests), "-r",
                str(len(keys)), "-q", "GET", "bench:__rand_int__"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout.replace("\r", "\n")
-        rps = float(re.findall(r"([\d.]+) requests per second", out)[-1])
+        rps = benchmark_rps(subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout)
         hits = int(client.info("stats")["keyspace_hits"]) - hits0
         mean = sum(len(v) for v in values) / len(values)
         return {"get_many_MB_per_s": ours, "redis_benchmark_MB_per_s": rps * mean / 1e6,

@@ -62,13 +62,13 @@ class DaliDecoder:
         self.device = device
         self.threads = int(threads)
         self.max_batch = int(max_batch)
-        self._pipes: dict[int, Any] = {}
+        self._pipeline: Any = None  # built on first use, in this process (module docstring)
         self._ready: dict[int, np.ndarray] = {}
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch,
-                "_pipes": {}, "_ready": {}, "_pid": -1}
+                "_pipeline": None, "_ready": {}, "_pid": -1}
 
     @property
     def on_gpu(self) -> bool:
@@ -76,11 +76,11 @@ class DaliDecoder:
 
     def _pipe(self) -> Any:
         if self._pid != os.getpid():  # fork boundary (module docstring): keep, never run, the parent's
-            _INHERITED.extend(self._pipes.values())
-            self._pipes, self._pid = {}, os.getpid()
-        pipe = self._pipes.get(self.max_batch)
-        if pipe is not None:
-            return pipe
+            if self._pipeline is not None:
+                _INHERITED.append(self._pipeline)
+            self._pipeline, self._pid = None, os.getpid()
+        if self._pipeline is not None:
+            return self._pipeline
         from nvidia.dali import fn, pipeline_def, types  # type: ignore[import-not-found]
 
         gpu = self.on_gpu
@@ -96,7 +96,7 @@ class DaliDecoder:
 
         pipe = build()
         pipe.build()
-        self._pipes[self.max_batch] = pipe
+        self._pipeline = pipe
         return pipe
 
     def decode_batch(self, datas: Sequence[bytes], sizes: Sequence[tuple[int, int]]) -> list[np.ndarray]:
@@ -136,7 +136,7 @@ class DaliDecoder:
         return decode_image(data, variant, name=name)
 
 
-def make_decoder(name: str, *, threads: int = 1) -> Any:
+def make_decoder(name: str) -> Any:
     """``None`` for Pillow (the core's default), a :class:`DaliDecoder` for ``dali``."""
     if name == "pillow":
         return None
@@ -145,4 +145,4 @@ def make_decoder(name: str, *, threads: int = 1) -> Any:
         from datacache.config import ConfigError
 
         raise ConfigError(f"decoder = \"dali\": {why}")
-    return DaliDecoder(threads=threads)
+    return DaliDecoder()

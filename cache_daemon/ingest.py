@@ -83,8 +83,22 @@ class _Stop:
 
 
 def node_memory(cfg: DaemonConfig, store: Any) -> tuple[int, int]:
-    """(used_memory, budget) of this node's Redis master; budget 0 = none."""
-    client = store.client(cfg.redis_node) if cfg.ownership == "cluster" else store.client()
+    """(used_memory, budget) of this node's Redis master; budget 0 = none.
+
+    The server measured depends on the store, not on the ownership mode: a Redis Cluster -> the master
+    ``redis_node`` (whatever the ownership); one Redis server -> that server. Where there is no
+    per-node figure -- a cluster without ``redis_node`` (ownership ``hash``/``all``), or a store that
+    is not Redis (``lmdb://``, ``memory://``) -- the answer is ``(0, 0)``: no budget, because a budget
+    that can never be measured must never block (nor mark) filling. ``memory_budget`` is then
+    ignored; Redis still refuses writes at its own ``maxmemory`` (counted as write errors).
+    """
+    backend = getattr(store, "backend", "")
+    if backend == "redis-cluster" and cfg.redis_node:
+        client = store.client(cfg.redis_node)
+    elif backend == "redis":
+        client = store.client()
+    else:
+        return 0, 0
     mem = client.info("memory")
     budget = cfg.memory_budget or int(mem.get("maxmemory", 0))
     return int(mem.get("used_memory", 0)), budget
@@ -143,7 +157,7 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         if halt.budget and missing:
             log.warning("%s: node %s reached its memory budget (%d of %d bytes): %d of %d owned samples stay "
                         "uncached and are served from the source (MinIO policy)", state.spec.source, cfg.node,
-                        *node_memory(cfg, store), len(missing), state.owned)
+                        used, budget, len(missing), state.owned)
         state.error = ""
         log.info("%s %s: pass %d: owned %d, cached %d, decoded %d, skipped %d (already cached), status %s",
                  state.spec.source, variant.tag(), state.passes, state.owned, state.done,

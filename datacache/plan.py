@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -57,9 +56,9 @@ def jemalloc_class(n: int) -> int:
     return -(-n // spacing) * spacing
 
 
-def redis_bytes_per_key(value_bytes: float, key_bytes: int = 48) -> float:
-    """Memory one key holding ``value_bytes`` costs in Redis (see the module docstring)."""
-    del key_bytes  # included in the measured fixed cost
+def redis_bytes_per_key(value_bytes: float) -> float:
+    """Memory one key holding ``value_bytes`` costs in Redis (see the module docstring); the key string
+    itself is part of the measured fixed cost."""
     return jemalloc_class(math.ceil(value_bytes) + REDIS_SDS_HEADER) + REDIS_FIXED_PER_KEY
 
 
@@ -178,11 +177,3 @@ def format_plan(p: dict[str, Any]) -> str:
     lines.append("  Redis per-key cost included (jemalloc size class + ~150 B, measured: datacache/plan.py)")
     lines.append(f"recommendation: {p['recommendation']}")
     return "\n".join(lines)
-
-
-def redis_server_present() -> bool:
-    try:
-        subprocess.run(["redis-server", "--version"], capture_output=True, check=True, timeout=10)
-        return True
-    except (OSError, subprocess.SubprocessError):
-        return False

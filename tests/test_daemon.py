@@ -245,3 +245,48 @@ def test_memory_budget_stops_filling_minio_policy(tmp_path, imagefolder_factory)
         assert 5 < cached < 40 and evicted == 0
     finally:
         srv.stop()
+
+
+def _one_pass(cache: str, root: str, **cfg_kw):
+    """One in-process ingest pass over ``root`` into ``cache``; returns (state, report, store)."""
+    import threading
+
+    from cache_daemon.config import DaemonConfig, DatasetSpec
+    from cache_daemon.ingest import DatasetState, ingest_pass
+    from datacache.cacheurl import parse_cache_url
+
+    cfg = DaemonConfig(cache=cache, node="n0", workers=1, t1_dir="none", **cfg_kw)
+    store = parse_cache_url(cache).tiers[-1].open()
+    state = DatasetState(DatasetSpec(root, short_side=SHORT))
+    rep = ingest_pass(cfg, state, store, decoder=None, stop=threading.Event(), progress=False)
+    return state, rep, store
+
+
+def test_ingest_pass_ownership_all_on_lmdb_is_not_an_error(imagefolder_factory, tmp_path) -> None:
+    # node_memory used to ask a non-Redis store for store.client(): every pass ended in "error".
+    # A memory_budget that cannot be measured (no Redis) must not block the fill either.
+    root = imagefolder_factory(classes=2, per_class=3, size=(80, 60))
+    state, rep, store = _one_pass(f"lmdb://{tmp_path}/lmdb", root, ownership="all", memory_budget=1)
+    try:
+        assert state.status == "full" and not state.error, state.error
+        assert rep is not None and rep.written == 6 and state.done == state.owned == 6
+        assert store.stats()["entries"] == 6
+    finally:
+        store.close()
+
+
+@needs_redis
+def test_ingest_pass_ownership_hash_on_a_cluster_is_not_an_error(cluster_url: str, redis_cluster,
+                                                                 imagefolder_factory, tmp_path,
+                                                                 monkeypatch) -> None:
+    # with ownership "hash" there is no redis_node: node_memory used to call store.client() without an
+    # address (TypeError); a cluster without redis_node has no per-node figure, so no budget
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the pass persists its manifest there
+    root = imagefolder_factory(classes=2, per_class=3, size=(80, 60))
+    state, rep, store = _one_pass(cluster_url, root, ownership="hash", rank=0, world_size=1)
+    try:
+        assert state.status == "full" and not state.error, state.error
+        assert rep is not None and rep.written == 6 and state.done == state.owned == 6
+        assert sum(len(all_keys(m.port, "dc:*")) for m in redis_cluster.masters) == 6
+    finally:
+        store.close()

@@ -92,11 +92,7 @@ def _check_redis(spec: StoreSpec) -> None:
     from datacache.stores.redis_common import check_credentials
 
     store = spec.open()
-    if spec.scheme == "redis+cluster":
-        host, port = store.seeds[0]
-        check_credentials(store.client(f"{host}:{port}"), spec.url)
-    else:
-        check_credentials(store.client(), spec.url)
+    check_credentials(store.ping_client(), spec.url)
     store.close()
 
 

@@ -36,16 +36,18 @@ from typing import Any
 import numpy as np
 
 from datacache.cacheurl import StoreSpec
-from datacache.stores.base import BaseStore, Value
+from datacache.stores.base import Value
 from datacache.stores.redis_common import (
     DEFAULT_FETCH_BYTES,
-    advice,
+    RedisStoreBase,
     connection_kwargs,
     is_unavailable,
     parse_hostport,
+    pipe_exists,
+    pipe_set,
+    server_info,
     split_userinfo,
 )
-from datacache.stores.redis_store import server_info
 from datacache.stores.resp import pipelined_get
 
 NSLOTS = 16384
@@ -59,11 +61,10 @@ def key_slots(keys: Sequence[bytes]) -> np.ndarray:
     return np.fromiter((key_slot(bytes(k)) for k in keys), dtype=np.int32, count=len(keys))
 
 
-class RedisClusterStore(BaseStore):
+class RedisClusterStore(RedisStoreBase):
     """A Redis Cluster (see the module docstring)."""
 
     backend = "redis-cluster"
-    remote = True
 
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
@@ -105,6 +106,11 @@ class RedisClusterStore(BaseStore):
             c = self._clients[addr] = redis.Redis(host=host, port=port,
                                                   **connection_kwargs(self.spec, tls=self.tls))
         return c
+
+    def ping_client(self) -> Any:
+        """What the URL check PINGs (and closes): the first seed's client."""
+        host, port = self.seeds[0]
+        return self.client(f"{host}:{port}")
 
     def refresh_slots(self) -> None:
         """Rebuild the slot map from ``CLUSTER SLOTS`` of the first node that answers; raises the last
@@ -204,40 +210,28 @@ class RedisClusterStore(BaseStore):
                 self._partial_failure(kind, got, len(pos))
                 self._refresh_in_background()
                 continue
-            errors = [r for r in got if isinstance(r, Exception)]
-            if errors:
-                self._partial_failure(kind, errors[0], len(errors))
-                if any(is_unavailable(e) for e in errors):
-                    self._refresh_in_background()  # MOVED / ASK: a slot moved
+            if any(is_unavailable(e) for e in self._reply_errors(kind, got)):
+                self._refresh_in_background()  # MOVED / ASK: a slot moved
             for p, r in zip(pos, got):
                 if not isinstance(r, Exception):
                     out[p] = r
         return out
 
     def _get_many(self, keys: list[bytes]) -> list[Value | None]:
-        mean = self._mean_value or self._value_hint
-
         def op(client: Any, pos: list[int]) -> list[Any]:  # replies straight into one buffer per node
-            return pipelined_get(client, [keys[p] for p in pos], int(len(pos) * mean))
+            return pipelined_get(client, [keys[p] for p in pos], self.expected_bytes(len(pos)))
 
         return self._fan_out(keys, op, "read", None)
 
     def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
         def op(client: Any, pos: list[int]) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for p in pos:
-                pipe.set(items[p][0], items[p][1], nx=not overwrite)
-            return pipe.execute(raise_on_error=False)
+            return pipe_set(client, [items[p] for p in pos], overwrite)
 
-        got = self._fan_out([k for k, _ in items], op, "write", None)
-        return sum(1 for r in got if r is True)
+        return sum(1 for r in self._fan_out([k for k, _ in items], op, "write", None) if r is True)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         def op(client: Any, pos: list[int]) -> list[Any]:
-            pipe = client.pipeline(transaction=False)
-            for p in pos:
-                pipe.exists(keys[p])
-            return pipe.execute(raise_on_error=False)
+            return pipe_exists(client, [keys[p] for p in pos])
 
         return [r == 1 for r in self._fan_out(keys, op, "read", 0)]
 
@@ -256,12 +250,6 @@ class RedisClusterStore(BaseStore):
         return dict(self._master_client(name).hgetall(name))
 
     # ------------------------------------------------------------ misc
-    def _is_unavailable(self, exc: BaseException) -> bool:
-        return is_unavailable(exc)
-
-    def _advice(self, exc: BaseException) -> str:
-        return advice(exc, self.url) or super()._advice(exc)
-
     def _stats(self) -> dict[str, Any]:
         self._ensure()
         per: dict[str, Any] = {}

@@ -11,6 +11,10 @@ Options (``?name=value``): ``socket_timeout`` / ``connect_timeout`` (seconds, de
 ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (``none``/``optional``/``required``)
 and ``ssl_check_hostname``.
 
+What both stores inherit: :class:`RedisStoreBase` (a remote tier with Redis's error classes and
+advice, the per-key error replies of a pipeline counted as a partial failure) and the pipelined
+``SET``/``EXISTS`` of :func:`pipe_set` / :func:`pipe_exists`.
+
 Errors: a refused or reset connection, a timeout, ``CLUSTERDOWN``, ``MOVED``/``ASK`` and
 ``LOADING`` mean "unavailable right now": the keys are misses and the store keeps going
 (:meth:`~datacache.stores.base.BaseStore._is_unavailable`). A wrong password or ACL user is
@@ -23,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
 from datacache.cacheurl import OptionSpec, StoreSpec, redact
 from datacache.config import ConfigError
+from datacache.stores.base import BaseStore
 
 log = logging.getLogger("datacache.stores.redis")
 
@@ -160,3 +166,53 @@ def check_credentials(client: Any, url: str) -> None:
     finally:
         with contextlib.suppress(Exception):  # closing a client that never connected is not worth a crash
             client.close()
+
+
+def server_info(client: Any) -> dict[str, Any]:
+    """Memory figures of one server: used/max memory, policy, keys, evictions and rejected writes."""
+    mem = client.info("memory")
+    stats = client.info("stats")
+    return {"used_memory": int(mem.get("used_memory", 0)), "maxmemory": int(mem.get("maxmemory", 0)),
+            "maxmemory_policy": mem.get("maxmemory_policy", ""), "keys": int(client.dbsize()),
+            "evicted_keys": int(stats.get("evicted_keys", 0))}
+
+
+def pipe_set(client: Any, items: Sequence[tuple[bytes, bytes]], overwrite: bool) -> list[Any]:
+    """``SET key value NX`` (``SET`` when ``overwrite``) per item in one non-transactional pipeline;
+    the replies, per-command errors (``OOM`` at maxmemory) returned, not raised."""
+    pipe = client.pipeline(transaction=False)
+    for k, v in items:
+        pipe.set(k, v, nx=not overwrite)
+    return pipe.execute(raise_on_error=False)
+
+
+def pipe_exists(client: Any, keys: Sequence[bytes]) -> list[Any]:
+    """``EXISTS`` per key in one non-transactional pipeline; errors returned, not raised."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.exists(k)
+    return pipe.execute(raise_on_error=False)
+
+
+class RedisStoreBase(BaseStore):
+    """What the standalone and the cluster store share (their own modules hold the rest)."""
+
+    remote = True  # a network tier: TieredStore writes to it in the background
+
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        return is_unavailable(exc)
+
+    def _advice(self, exc: BaseException) -> str:
+        return advice(exc, self.url) or super()._advice(exc)
+
+    def expected_bytes(self, n: int) -> int:
+        """Reply bytes expected for ``n`` values (running mean, else the hint): sizes the read buffer."""
+        return int(n * (self._mean_value or self._value_hint))
+
+    def _reply_errors(self, kind: str, replies: Sequence[Any]) -> list[Exception]:
+        """The per-key error replies of one pipeline, counted as one partial failure of ``kind``
+        (``read``/``write``); the caller treats those keys as misses / unwritten."""
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if errors:
+            self._partial_failure(kind, errors[0], len(errors))
+        return errors

@@ -22,32 +22,24 @@ from collections.abc import Sequence
 from typing import Any
 
 from datacache.cacheurl import StoreSpec
-from datacache.stores.base import BaseStore, Value
+from datacache.stores.base import Value
 from datacache.stores.redis_common import (
     DEFAULT_FETCH_BYTES,
-    advice,
+    RedisStoreBase,
     connection_kwargs,
-    is_unavailable,
     parse_hostport,
+    pipe_exists,
+    pipe_set,
+    server_info,
     split_userinfo,
 )
 from datacache.stores.resp import pipelined_get
 
 
-def server_info(client: Any) -> dict[str, Any]:
-    """Memory figures of one server: used/max memory, policy, keys, evictions and rejected writes."""
-    mem = client.info("memory")
-    stats = client.info("stats")
-    return {"used_memory": int(mem.get("used_memory", 0)), "maxmemory": int(mem.get("maxmemory", 0)),
-            "maxmemory_policy": mem.get("maxmemory_policy", ""), "keys": int(client.dbsize()),
-            "evicted_keys": int(stats.get("evicted_keys", 0))}
-
-
-class RedisStore(BaseStore):
+class RedisStore(RedisStoreBase):
     """One Redis server (see the module docstring)."""
 
     backend = "redis"
-    remote = True  # a network tier: TieredStore writes to it in the background
 
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
@@ -76,41 +68,20 @@ class RedisStore(BaseStore):
             self._pid = os.getpid()
         return self._client
 
-    def _is_unavailable(self, exc: BaseException) -> bool:
-        return is_unavailable(exc)
-
-    def _advice(self, exc: BaseException) -> str:
-        return advice(exc, self.url) or super()._advice(exc)
-
-    def expected_bytes(self, n: int) -> int:
-        """Reply bytes expected for ``n`` values (running mean, else the hint): sizes the read buffer."""
-        return int(n * (self._mean_value or self._value_hint))
+    ping_client = client  # what the URL check PINGs (and closes): this store's own client
 
     def _get_many(self, keys: list[bytes]) -> list[Value | None]:
         got = pipelined_get(self.client(), keys, self.expected_bytes(len(keys)))
-        errors = [r for r in got if isinstance(r, Exception)]
-        if errors:  # per-key errors (e.g. a LOADING server): those keys are misses
-            self._partial_failure("read", errors[0], len(errors))
+        self._reply_errors("read", got)  # per-key errors (e.g. a LOADING server): those keys are misses
         return [None if isinstance(r, Exception) else r for r in got]
 
     def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
-        pipe = self.client().pipeline(transaction=False)
-        for k, v in items:
-            pipe.set(k, v, nx=not overwrite)
-        return self._count_written(pipe.execute(raise_on_error=False))
-
-    def _count_written(self, replies: list[Any]) -> int:
-        """Writes that succeeded; per-command errors (OOM at maxmemory) are counted as write errors."""
-        errors = [r for r in replies if isinstance(r, Exception)]
-        if errors:
-            self._partial_failure("write", errors[0], len(errors))
+        replies = pipe_set(self.client(), items, overwrite)
+        self._reply_errors("write", replies)  # per-command errors (OOM at maxmemory): write errors
         return sum(1 for r in replies if r is True)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
-        pipe = self.client().pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(k)
-        return [r == 1 for r in pipe.execute(raise_on_error=False)]
+        return [r == 1 for r in pipe_exists(self.client(), keys)]  # an error reply is "not there"
 
     def status_set(self, name: bytes, field: str, value: bytes) -> None:
         """HSET of a daemon report (:mod:`datacache.fillstatus`); raises on failure (callers decide)."""
