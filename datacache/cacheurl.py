@@ -110,7 +110,6 @@ class SchemeSpec:
     options: Mapping[str, OptionSpec] = field(default_factory=dict)
     location: Callable[[str, str], str] | None = None
     check: Callable[[StoreSpec], None] | None = None
-    example: str = ""
 
 
 @dataclass(frozen=True)

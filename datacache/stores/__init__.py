@@ -50,11 +50,11 @@ def _open_lmdb(spec: StoreSpec) -> LMDBStore:
 
 
 register_scheme(SchemeSpec(
-    "memory", _open_memory, example="memory://",
+    "memory", _open_memory,
     options={"fetch_bytes": OptionSpec("bytes", "cap of one read round trip (tests)", minimum=1),
              "readonly": OptionSpec("bool", "refuse writes")}))
 register_scheme(SchemeSpec(
-    "lmdb", _open_lmdb, location=local_path_location, example="lmdb:///var/cache/datacache",
+    "lmdb", _open_lmdb, location=local_path_location,
     check=lambda spec: require_local_disk(spec.location, "lmdb"),
     options={"map_size": OptionSpec("bytes", "initial map reservation (grows)", minimum=1 << 12),
              "max_map_size": OptionSpec("bytes", "cap on map growth (default: free disk)", minimum=1 << 12),
@@ -96,13 +96,11 @@ def _check_redis(spec: StoreSpec) -> None:
     store.close()
 
 
-register_scheme(SchemeSpec("redis", _open_redis, location=standalone_location, check=_check_redis,
-                           example="redis://127.0.0.1:6379/0", options=dict(COMMON_OPTIONS)))
-register_scheme(SchemeSpec("rediss", _open_redis, location=standalone_location, check=_check_redis,
-                           example="rediss://user:pass@cache.example:6380/0", options=dict(COMMON_OPTIONS)))
+for _scheme in ("redis", "rediss"):
+    register_scheme(SchemeSpec(_scheme, _open_redis, location=standalone_location, check=_check_redis,
+                               options=dict(COMMON_OPTIONS)))
 register_scheme(SchemeSpec(
     "redis+cluster", _open_redis_cluster, location=cluster_location, check=_check_redis,
-    example="redis+cluster://10.0.0.1:7000,10.0.0.2:7000",
     options={**COMMON_OPTIONS, "tls": OptionSpec("bool", "connect to the masters over TLS")}))
 
 
