@@ -100,6 +100,7 @@ def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_clust
     cfg_b = DaemonConfig(cache=fresh_cluster.url, redis_node=b.addr)
     mine_a, mine_b = owned_mask(cfg_a, s, keys), owned_mask(cfg_b, s, keys)
     before = s.master_of(keys)
+    nodes0, table0 = list(s._nodes), s._slots.copy()
     ids = {m.addr: cli(m.port, "cluster", "myid") for m in (a, b)}
     out = subprocess.run(["redis-cli", "--cluster", "reshard", a.addr, "--cluster-from", ids[a.addr],
                           "--cluster-to", ids[b.addr], "--cluster-slots", "3000", "--cluster-yes"],
@@ -122,6 +123,14 @@ def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_clust
     while time.monotonic() < deadline and any(g is None for g in s.get_many(keys)):
         time.sleep(0.1)  # the background slot refresh catches up
     assert all(g == b"v" * 3000 for g in s.get_many(keys))
+    # CLUSTER SLOTS now lists b first (its slots start at 0), yet every master kept its index, so a read
+    # that paired the old slot table with the refreshed node list (the refresh runs in a thread) still
+    # sends each key to the master that table names (regression: it swapped a's and b's keys)
+    reply = s.client(a.addr).execute_command("CLUSTER SLOTS")
+    listed = list(dict.fromkeys(f"127.0.0.1:{int(e[2][1])}" for e in sorted(reply, key=lambda e: int(e[0]))))
+    assert listed[:2] == [b.addr, a.addr] and nodes0[:2] == [a.addr, b.addr]
+    assert s._nodes[:len(nodes0)] == nodes0
+    assert [s._nodes[i] for i in table0.tolist()] == [nodes0[i] for i in table0.tolist()]
     # ownership follows the slots: the moved samples now belong to b's daemon, still exactly one owner
     new_a, new_b = owned_mask(cfg_a, s, keys), owned_mask(cfg_b, s, keys)
     idx = {k: i for i, k in enumerate(keys)}

@@ -77,8 +77,13 @@ class RedisClusterStore(RedisStoreBase):
         super()._reset_process_state()
         self._pid = os.getpid()
         self._clients: dict[str, Any] = {}
-        self._nodes: list[str] = []  # master addresses "host:port"
-        self._slots: np.ndarray | None = None  # slot -> index into _nodes, -1 = not served
+        # The slot map: masters "host:port" and slot -> index into them (-1 = not served). Thread
+        # hazard: the background refresh replaces both (under _lock, never mutated in place) while
+        # reads run. A read takes one snapshot (_map), and a known master keeps its index across
+        # refreshes (CLUSTER SLOTS re-orders its masters after a resharding), so even a table of one
+        # refresh read with the list of a later one routes every key to the master it names.
+        self._nodes: list[str] = []
+        self._slots: np.ndarray | None = None
         self._lock = threading.Lock()
         self._refreshing = False
         self._last_refresh = 0.0
@@ -124,7 +129,7 @@ class RedisClusterStore(RedisStoreBase):
                 last = e
                 continue
             host_default = addr.rpartition(":")[0]
-            nodes: list[str] = []
+            nodes = list(self._nodes)  # known masters keep their index; new ones are appended
             table = np.full(NSLOTS, -1, dtype=np.int16)
             for entry in reply:
                 start, end, master = int(entry[0]), int(entry[1]), entry[2]
@@ -138,7 +143,9 @@ class RedisClusterStore(RedisStoreBase):
                 self._last_refresh = time.monotonic()
             self._count("slot_refreshes")
             return
-        self._slots = np.full(NSLOTS, -1, dtype=np.int16) if self._slots is None else self._slots
+        with self._lock:
+            if self._slots is None:
+                self._slots = np.full(NSLOTS, -1, dtype=np.int16)
         raise last if last is not None else ConnectionError(f"{self.url}: no seed node")
 
     def _refresh_in_background(self) -> None:
@@ -159,19 +166,24 @@ class RedisClusterStore(RedisStoreBase):
 
         threading.Thread(target=run, name="datacache-slot-refresh", daemon=True).start()
 
+    def _map(self) -> tuple[list[str], np.ndarray]:
+        """One consistent snapshot of the slot map: (masters, slot -> index into masters)."""
+        self._ensure()
+        with self._lock:
+            nodes, slots = self._nodes, self._slots
+        assert slots is not None
+        return nodes, slots
+
     def masters(self) -> list[str]:
         """Addresses of the masters that serve at least one slot."""
-        self._ensure()
-        assert self._slots is not None
-        served = set(np.unique(self._slots[self._slots >= 0]).tolist())
-        return [n for i, n in enumerate(self._nodes) if i in served]
+        nodes, slots = self._map()
+        served = set(np.unique(slots[slots >= 0]).tolist())
+        return [n for i, n in enumerate(nodes) if i in served]
 
     def master_of(self, keys: Sequence[bytes]) -> list[str | None]:
         """The master serving each key's slot now (None for a slot no master serves)."""
-        self._ensure()
-        assert self._slots is not None
-        idx = self._slots[key_slots(keys)]
-        return [self._nodes[i] if i >= 0 else None for i in idx.tolist()]
+        nodes, slots = self._map()
+        return [nodes[i] if i >= 0 else None for i in slots[key_slots(keys)].tolist()]
 
     def _lanes(self) -> int:
         return max(1, len(self._nodes) or len(self.seeds))
@@ -181,9 +193,8 @@ class RedisClusterStore(RedisStoreBase):
                  miss: Any) -> list[Any]:
         """Run ``op(client, positions)`` once per master for its keys, in parallel; a master that fails
         gives ``miss`` for its keys (counted, slot map refreshed in the background)."""
-        self._ensure()
-        assert self._slots is not None
-        owner = self._slots[key_slots(keys)]
+        nodes, slots = self._map()  # the refresh thread may swap the map while this call runs
+        owner = slots[key_slots(keys)]
         out: list[Any] = [miss] * len(keys)
         groups = {int(n): np.flatnonzero(owner == n).tolist() for n in np.unique(owner)}
         unserved = groups.pop(-1, [])
@@ -191,7 +202,6 @@ class RedisClusterStore(RedisStoreBase):
             self._partial_failure(kind, ConnectionError(f"{len(unserved)} keys in slots no master serves"),
                                   len(unserved))
             self._refresh_in_background()
-        nodes = self._nodes
 
         def one(node: int, pos: list[int]) -> tuple[list[int], list[Any] | BaseException]:
             try:
@@ -272,10 +282,10 @@ class RedisClusterStore(RedisStoreBase):
                 down.append(f"{addr} ({type(e).__name__})")
         if down:
             raise ConnectionError(f"masters down: {', '.join(down)}")
-        assert self._slots is not None
-        if (self._slots < 0).any():
-            raise ConnectionError(f"{int((self._slots < 0).sum())} slots not served")
-        return f"{len(self._nodes)} masters, all 16384 slots served"
+        _, slots = self._map()
+        if (slots < 0).any():
+            raise ConnectionError(f"{int((slots < 0).sum())} slots not served")
+        return f"{len(self.masters())} masters, all 16384 slots served"
 
     def _close(self) -> None:
         if self._pid == os.getpid():
