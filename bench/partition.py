@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.common import RESULTS_DIR, bar_chart, machine_info, print_machine, write_results
+from trainer.distenv import free_port
 
 
 def _worker(rank: int, world: int, local: int, port: int, cfg: dict[str, Any], queue: Any) -> None:
@@ -76,19 +77,11 @@ def _worker(rank: int, world: int, local: int, port: int, cfg: dict[str, Any], q
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(cfg: dict[str, Any], world: int = 4, local: int = 2, timeout: float = 3600.0) -> dict[str, Any]:
     """Spawn ``world`` ranks, run the measurement, return rank 0's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, local, port, cfg, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -197,13 +197,17 @@ class Manifest:
             raise ManifestError(f"{url}: cannot stat the dataset source ({e}); check the path, "
                                 "permissions and storage_options") from e
         saved_path = cls.persist_path(persist_dir, url) if persist_dir else None
+        man: Manifest | None = None
         if saved_path and os.path.exists(saved_path):
             old = cls._try_load(saved_path, url)
-            if old is not None and old._still_valid(fs, path, revalidate, workers):
-                log.info("manifest %s: reusing %s (%d files, revalidate=%s)", url, saved_path, len(old),
-                         revalidate)
-                return old
-        man = cls._list(fs, path, url, info, workers)
+            if old is not None:
+                man = old._revalidated(fs, path, revalidate, workers)
+                if man is old:
+                    log.info("manifest %s: reusing %s (%d files, revalidate=%s)", url, saved_path, len(old),
+                             revalidate)
+                    return old
+        if man is None:
+            man = cls._list(fs, path, url, info, workers)
         if not len(man):
             raise ManifestError(f"{url}: no images found (extensions {', '.join(IMG_EXTENSIONS)}; "
                                 f"ignored: {man.ignored}); check the layout root/<class>/<image>")
@@ -227,24 +231,27 @@ class Manifest:
                             "root directory or a file list")
 
     # ------------------------------------------------------------ revalidate
-    def _still_valid(self, fs: fsspec.AbstractFileSystem, path: str, mode: str, workers: int) -> bool:
+    def _revalidated(self, fs: fsspec.AbstractFileSystem, path: str, mode: str,
+                     workers: int) -> Manifest | None:
+        """``self`` when still valid under ``mode``; the fresh listing when ``full`` re-listed a changed
+        dataset (never listed twice); None when the dataset must be re-listed."""
         if mode == "none":
-            return True
+            return self
         if mode == "dirs" and self.dirstate and all(v[0] for v in self.dirstate.values()):
             keys = list(self.dirstate)
             try:
                 if self.kind == "list" and "" in self.dirstate:
                     i = fs.info(path)
                     if [mtime_of(i), float(i.get("size") or 0)] != self.dirstate[""]:
-                        return False
+                        return None
                     keys.remove("")
                 fresh = dir_states(fs, [self._dir_url(path, k) for k in keys], workers=workers)
             except OSError:
-                return False
-            return all(fresh[j] == self.dirstate[k] for j, k in enumerate(keys))
+                return None
+            return self if all(fresh[j] == self.dirstate[k] for j, k in enumerate(keys)) else None
         # "full" (or no usable directory mtimes): re-list and compare fingerprints
-        info = fs.info(path)
-        return self._list(fs, path, self.listed, info, workers).fingerprint == self.fingerprint
+        listed = self._list(fs, path, self.listed, fs.info(path), workers)
+        return self if listed.fingerprint == self.fingerprint else listed
 
     def _dir_url(self, path: str, key: str) -> str:
         if self.kind == "list":

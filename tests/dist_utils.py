@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -24,11 +23,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from trainer.distenv import free_port
 
 
 def to_plain(obj: Any) -> Any:

@@ -108,7 +108,7 @@ def test_fingerprint_tracks_size_and_mtime(imagefolder_factory) -> None:
     assert Manifest.build(root).fingerprint != fp
 
 
-def test_persist_and_revalidate(imagefolder_factory, tmp_path) -> None:
+def test_persist_and_revalidate(imagefolder_factory, tmp_path, monkeypatch) -> None:
     root = imagefolder_factory(classes=2, per_class=3)
     pdir = str(tmp_path / "persist")
     m1 = Manifest.build(root, persist_dir=pdir)
@@ -135,8 +135,21 @@ def test_persist_and_revalidate(imagefolder_factory, tmp_path) -> None:
         f.write(b"\0" * 10)
     os.utime(os.path.dirname(victim), (dir_st.st_atime, dir_st.st_mtime))
     assert Manifest.build(root, persist_dir=pdir).fingerprint == m3.fingerprint  # stale, as documented
+    listings = []
+    real_list = Manifest._list.__func__
+
+    def counted(cls, *a, **kw):  # the real listing, counted
+        listings.append(1)
+        return real_list(cls, *a, **kw)
+
+    monkeypatch.setattr(Manifest, "_list", classmethod(counted))
     m4 = Manifest.build(root, persist_dir=pdir, revalidate="full")
     assert m4.fingerprint != m3.fingerprint
+    assert len(listings) == 1  # the re-listing that found the change is the one used (not listed twice)
+    assert Manifest.build(root, persist_dir=pdir, revalidate="full").fingerprint == m4.fingerprint
+    assert len(listings) == 2  # unchanged: one listing, the saved copy reused
+    assert Manifest.load(saved).fingerprint == m4.fingerprint  # the changed listing was persisted
+    monkeypatch.undo()
     assert m4.sizes[m4.paths.index("c001/00000.JPEG")] == os.path.getsize(victim)
 
     # "none" trusts the saved copy even after a change
