@@ -186,7 +186,10 @@ class RedisClusterStore(RedisStoreBase):
         return [nodes[i] if i >= 0 else None for i in slots[key_slots(keys)].tolist()]
 
     def _lanes(self) -> int:
-        return max(1, len(self._nodes) or len(self.seeds))
+        slots = self._slots  # no refresh here: this sizes a chunk, before the call's failure policy applies
+        if slots is None:
+            return max(1, len(self.seeds))
+        return max(1, len(np.unique(slots[slots >= 0])))  # serving masters (a departed one keeps an index)
 
     # ------------------------------------------------------------ fan-out
     def _fan_out(self, keys: Sequence[bytes], op: Callable[[Any, list[int]], list[Any]], kind: str,
