@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import os
 import socket
+import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any
-
-import tomllib
 
 from datacache.cacheurl import parse_bytes, parse_cache_url
 from datacache.config import ConfigError, Variant
