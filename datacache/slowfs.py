@@ -23,8 +23,9 @@ Options come from ``storage_options`` or the URL query string::
 Every request is counted in :data:`COUNTERS` (per process: ``requests``, ``opens``,
 ``listings``, ``bytes``, and the most listings ever in flight at once,
 ``max_concurrent_listings``) so tests can show that a T1 hit makes no request at all
-without asserting on time. Importing :mod:`datacache.slowfs` registers the protocol; it is
-also imported by :mod:`datacache.source`.
+without asserting on time. fsspec finds the protocol through the package's ``fsspec.specs`` entry
+point (pyproject.toml) and imports this module on first use of ``slowfile://``; importing it also
+registers the protocol. Nothing in the production import path imports it.
 """
 
 from __future__ import annotations

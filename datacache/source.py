@@ -52,7 +52,6 @@ from typing import Any
 
 import fsspec
 
-import datacache.slowfs  # noqa: F401  (registers the slowfile:// protocol)
 from datacache.config import default_t1_dir
 from datacache.source_errors import SizeMismatchError, SourceError, is_transient
 

@@ -60,3 +60,27 @@ def test_shell_scripts_use_the_project_interpreter() -> None:
             if (default or re.search(r'(^|[\s;&|(`])python3?(\s|$)', code)) and "BASE_PY" not in code:
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, f"shell scripts must use the project interpreter: {found}"
+
+
+def test_dev_only_tooling_stays_out_of_the_production_import_path() -> None:
+    """The NFS stand-in, the synthetic-data generator and the local Redis launcher are dev tooling:
+    importing the production modules (library, client, daemon, trainer, CLIs) must not import them.
+    ``slowfile://`` still works: fsspec finds it through the package's entry point."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import datacache, datacache.cli, client.dataset, client.crop, client.augment
+import cache_daemon.service, cache_daemon.http, cache_daemon.__main__, trainer.run, trainer.cli
+dev = ("datacache.slowfs", "datacache.synth", "datacache.redis_local", "bench")
+print(",".join(m for m in dev if m in sys.modules))
+import fsspec
+fs = fsspec.filesystem("slowfile", latency_ms=0)
+print(type(fs).__module__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported, module = out.stdout.splitlines()
+    assert imported == "", f"dev-only modules imported by production code: {imported}"
+    assert module == "datacache.slowfs"
