@@ -23,7 +23,8 @@ def _files(suffix: str) -> list[Path]:
 
 def _bare_argv(tree: ast.AST) -> list[int]:
     """Lines of calls whose first argument is an argv starting with 'python'/'python3', or a command
-    line ``"python ..."`` (``subprocess.run([...])``, ``Popen("python -c ...", shell=True)``, ``os.execvp``)."""
+    line ``"python ..."`` (``subprocess.run([...])``, ``Popen("python -c ...", shell=True)``,
+    ``os.execvp``)."""
     out = []
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and node.args):
@@ -47,7 +48,8 @@ def test_no_python_file_runs_a_bare_python() -> None:
 def test_the_checker_finds_a_bare_python() -> None:  # the rule above would catch the old defect
     old = 'import subprocess\nsubprocess.run(["python", "-c", "print(1)"], check=True)\n'
     assert _bare_argv(ast.parse(old)) == [2]
-    assert _bare_argv(ast.parse('import sys, subprocess\nsubprocess.run([sys.executable, "-c", "1"])\n')) == []
+    good = 'import sys, subprocess\nsubprocess.run([sys.executable, "-c", "1"])\n'
+    assert _bare_argv(ast.parse(good)) == []
 
 
 def test_shell_scripts_use_the_project_interpreter() -> None:
