@@ -1,0 +1,148 @@
+"""The locality-aware sampler in the trainer: which master is on this node, the epoch's owners, batches.
+
+* :func:`local_master` -- the Redis Cluster master on this node: an explicit ``host:port``, or the one
+  master whose address is assigned to this host (a UDP socket can bind to it); ambiguous (several
+  masters on this host, e.g. a one-machine cluster on 127.0.0.1) or none -> ``None`` with the reason.
+* :func:`epoch_owners` -- at the start of an epoch rank 0 maps every training sample to the node whose
+  master serves its key slot (``-1``: a master on no training node) and broadcasts the array, so every
+  rank plans the epoch from the same slot-map snapshot even if the cluster reshards meanwhile.
+* :class:`LocalityBatchSampler` -- :class:`~trainer.data.DistributedBatchSampler` with the order of
+  :func:`client.locality_sampler.plan_epoch`: the same number of batches on every rank, every sample once
+  an epoch (the ``len % world`` padding aside, as ``DistributedSampler``), a node's ranks reading their
+  own shard first, a fraction ``exchange`` swapped across nodes each epoch. The owners snapshot is part
+  of its state: a checkpoint stores it, and a resumed epoch continues in exactly the same order.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from client.locality_sampler import owners_digest, owners_from_store, plan_epoch
+from datacache.config import ConfigError
+from trainer.data import DistributedBatchSampler
+
+SAMPLER_CHOICES = ("global", "local")
+
+
+def _is_local_address(host: str) -> bool:
+    """True when ``host`` resolves to an address of this machine (a socket can bind to it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def local_master(masters: Sequence[str], explicit: str = "") -> tuple[str | None, str]:
+    """``(master on this node or None, why)`` among ``masters`` (``host:port`` strings)."""
+    if explicit:
+        if explicit not in masters:
+            raise ConfigError(f"local master {explicit!r} is not a master of the cluster (masters: "
+                              f"{', '.join(masters)}); pass the host:port the cluster announces")
+        return explicit, "given"
+    mine = [m for m in masters if _is_local_address(m.rpartition(":")[0].strip("[]"))]
+    if len(mine) == 1:
+        return mine[0], "the only master with an address of this host"
+    if not mine:
+        return None, "no master has an address of this host: every read is remote"
+    return None, (f"{len(mine)} masters have addresses of this host ({', '.join(mine)}): pass the one "
+                  "on this node explicitly (--local-master host:port)")
+
+
+def node_masters(mine: str | None, node_of_rank: Sequence[int], group: Any = None) -> list[str]:
+    """The master of every node (``""`` if unknown), gathered from all ranks; ranks of one node must
+    agree on theirs."""
+    import torch.distributed as dist
+
+    world = len(node_of_rank)
+    got: list[Any] = [None] * world
+    if dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(got, mine or "", group=group)
+    else:
+        got = [mine or ""]
+    nodes = max(node_of_rank) + 1
+    out = [""] * nodes
+    for r, m in enumerate(got):
+        node = node_of_rank[r]
+        if out[node] and m and out[node] != m:
+            raise ConfigError(f"ranks of node {node} disagree on their local master ({out[node]} vs {m}); "
+                              "pass --local-master host:port on every rank of that node")
+        out[node] = out[node] or m
+    return out
+
+
+def epoch_owners(store: Any, keys: Sequence[bytes], masters_by_node: Sequence[str], *,
+                 src: int = 0) -> np.ndarray:
+    """Owners of ``keys`` from one slot-map snapshot, taken on rank ``src`` and broadcast to all."""
+    import torch.distributed as dist
+
+    dist_on = dist.is_available() and dist.is_initialized()
+    if not dist_on or dist.get_rank() == src:
+        refresh = getattr(store, "refresh_slots", None)
+        if refresh is not None:
+            refresh()  # the slot map at this epoch's start, not whatever the last read left cached
+        owners = owners_from_store(store, keys, masters_by_node)
+    else:
+        owners = np.empty(len(keys), dtype=np.int16)
+    if dist_on:
+        # gloo/NCCL broadcast of a CPU int16 tensor (the trainer's CPU group; 2.5 MB at 1.28M samples)
+        t = torch.from_numpy(owners.astype(np.int16))
+        dist.broadcast(t, src=src)
+        owners = t.numpy()
+    return owners
+
+
+class LocalityBatchSampler(DistributedBatchSampler):
+    """Per-rank batches in the locality-aware order (module docstring)."""
+
+    def __init__(self, indices: Sequence[int], owners: np.ndarray, node_of_rank: Sequence[int], rank: int = 0,
+                 seed: int = 0, exchange: float = 0.1) -> None:
+        super().__init__(indices, len(node_of_rank), rank, seed)
+        if not 0.0 <= float(exchange) <= 1.0:
+            raise ConfigError(f"--exchange must be a fraction in [0, 1], got {exchange}")
+        self.node_of_rank = [int(n) for n in node_of_rank]
+        self.exchange = float(exchange)
+        self.set_owners(owners)
+
+    def set_owners(self, owners: np.ndarray) -> None:
+        """The owners of ``indices`` (same order), identical on every rank; call before ``set_epoch``."""
+        owners = np.asarray(owners, dtype=np.int16)
+        if len(owners) != len(self.indices):
+            raise ConfigError(f"owners has {len(owners)} entries for {len(self.indices)} samples")
+        self.owners = owners
+
+    def rank_order(self) -> np.ndarray:
+        plan = plan_epoch(self.owners, self.node_of_rank, seed=self.seed, epoch=self.epoch,
+                          exchange=self.exchange)
+        return self.indices[plan.per_rank[self.rank]]
+
+    def local_fraction(self) -> float:
+        return plan_epoch(self.owners, self.node_of_rank, seed=self.seed, epoch=self.epoch,
+                          exchange=self.exchange).local_fraction
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this epoch in the same order."""
+        return {"owners": torch.from_numpy(self.owners.copy()), "digest": owners_digest(self.owners),
+                "exchange": self.exchange, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if float(state["exchange"]) != self.exchange or int(state["seed"]) != self.seed:
+            raise ConfigError(f"the checkpoint's sampler used exchange {state['exchange']} and seed "
+                              f"{state['seed']}; this run has {self.exchange} and {self.seed}: resume with "
+                              "the same --exchange and --seed")
+        owners = np.asarray(state["owners"], dtype=np.int16)
+        if owners_digest(owners) != state["digest"]:
+            raise ConfigError("the checkpoint's sampler state is damaged (owners digest mismatch)")
+        self.set_owners(owners)
