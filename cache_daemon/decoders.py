@@ -69,10 +69,12 @@ class DaliDecoder:
         self._pipeline: Any = None  # built on first use, in this process (module docstring)
         self._ready: dict[int, np.ndarray] = {}
         self._pid = os.getpid()
+        self._family: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch,
-                "_pipeline": None, "_ready": {}, "_pid": -1}
+                "_pipeline": None, "_ready": {}, "_pid": -1,
+                "_family": self._family}
 
     @property
     def on_gpu(self) -> bool:
@@ -80,8 +82,11 @@ class DaliDecoder:
 
     @property
     def family(self) -> str:
-        """Decoder family of the pixels (module docstring): ``dali-gpu`` with nvJPEG, else ``dali``."""
-        return "dali-gpu" if self.on_gpu else "dali"
+        """Decoder family of the pixels (module docstring): ``dali-gpu`` with nvJPEG, else ``dali``.
+        Resolved once per object (``fill_one`` asks for every sample; ``auto`` probes for a GPU)."""
+        if self._family is None:
+            self._family = "dali-gpu" if self.on_gpu else "dali"
+        return self._family
 
     def _pipe(self) -> Any:
         if self._pid != os.getpid():  # fork boundary (module docstring): keep, never run, the parent's
@@ -92,7 +97,7 @@ class DaliDecoder:
             return self._pipeline
         from nvidia.dali import fn, pipeline_def, types  # type: ignore[import-not-found]
 
-        gpu = self.on_gpu
+        gpu = self.family == "dali-gpu"  # the family the keys were named for, resolved once (parent)
 
         @pipeline_def(batch_size=self.max_batch, num_threads=self.threads, device_id=0 if gpu else None,
                       prefetch_queue_depth=1)
@@ -118,7 +123,7 @@ class DaliDecoder:
             pipe.feed_input("sizes", [np.array([h, w], dtype=np.float32)
                                       for w, h in sizes[s:s + self.max_batch]])
             (images,) = pipe.run()
-            if self.on_gpu:
+            if self.family == "dali-gpu":
                 images = images.as_cpu()  # device -> host copy (a sync point)
             out.extend(np.ascontiguousarray(images.at(i)) for i in range(len(part)))
         return out

@@ -104,3 +104,32 @@ def test_a_chunk_with_a_corrupt_jpeg_does_not_change_its_neighbours(photos: str)
     assert sum(id(d) in dec._ready for d in datas) == len(datas)
     for d, want in zip(datas, clean):
         assert np.array_equal(dec(d, v), want)
+
+
+def test_daemon_pass_with_dali_fills_and_reports_the_dali_tag(photos: str, tmp_path) -> None:
+    """The daemon's ``decoder = "dali"`` fills the ``-dali`` keys and reports that tag in /status; a
+    client asking for ``decoder_family="dali"`` reads them, one asking for ``pil`` does not."""
+    import threading
+
+    from cache_daemon.config import DaemonConfig, DatasetSpec
+    from cache_daemon.ingest import DatasetState, ingest_pass
+
+    cache = f"lmdb://{tmp_path}/lmdb"
+    cfg = DaemonConfig(cache=cache, node="n0", workers=1, t1_dir="none", ownership="all")
+    store = parse_cache_url(cache).tiers[-1].open()
+    state = DatasetState(DatasetSpec(photos, short_side=48))
+    try:
+        rep = ingest_pass(cfg, state, store, decoder=DaliDecoder(device="cpu"), stop=threading.Event(),
+                          progress=False)
+        assert state.status == "full" and not state.error, state.error
+        assert rep is not None and rep.written == state.total > 0
+        assert state.as_json()["variant"] == "s48m96bilinear-raw-dali"
+    finally:
+        store.close()
+    man = Manifest.build(photos)
+    for family, present in (("dali", True), ("pil", False)):
+        reader = ReadThrough(man, Variant(short_side=48, decoder_family=family), parse_cache_url(cache),
+                             t1_dir=None)
+        keys = reader.keys(range(len(man)))
+        got = reader.store.get_many(keys)
+        assert all((g is not None) == present for g in got), family
