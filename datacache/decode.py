@@ -15,8 +15,11 @@ One definition of a variant's pixels
 
     Orientation is applied once, after ``load()``, for every format: a loader that orients the pixels
     itself (Pillow's libtiff TIFF loader does, and drops the tag) leaves nothing for
-    ``exif_transpose`` to do, and the target size is computed from the upright image. ICC profiles
-    are not applied (pixel values are taken as stored).
+    ``exif_transpose`` to do, and the target size is computed from the upright image. JPEG, MPO,
+    PNG (EXIF and XMP) and WebP keep their tag through ``load()`` and are turned here (all covered by
+    the corpus test). HEIF: pillow-heif is not installed here, so it is untested; it orients on load by
+    default, and this rule is right for it exactly when it then drops the tag, as libtiff does. ICC
+    profiles are not applied (pixel values are taken as stored).
 
     Fast paths are used only where they reproduce these bytes exactly:
 
@@ -81,7 +84,6 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import os
-import threading
 import warnings
 from typing import Any
 
@@ -144,8 +146,9 @@ def pil_family() -> str:
     return "pil-simd" if _PILLOW.startswith("pillow-simd") else "pil"
 
 
-_SJ_CHECK: list[bool] = []  # memoised simplejpeg_agrees() (a benign race: every thread computes the same)
-_SJ_LOCK = threading.Lock()
+# memoised simplejpeg_agrees(). No lock on purpose: threads that race compute the same answer, and a lock
+# held by another thread at a fork would stay locked forever in the child (decode pools fork).
+_SJ_CHECK: list[bool] = []
 
 
 def _synthetic_jpegs() -> list[bytes]:
@@ -172,19 +175,18 @@ def simplejpeg_agrees() -> bool:
     synthetic JPEGs at scales 1, 1/2, 1/4 and 1/8 (computed once per process; False without simplejpeg)."""
     if _sj is None:
         return False
-    with _SJ_LOCK:
-        if not _SJ_CHECK:
-            ok = True
-            try:
-                for data in _synthetic_jpegs():
-                    for req in ((173, 131), (80, 60), (40, 30), (20, 15)):
-                        ref = _pil_draft_rgb(data, req)
-                        got = _sj_at_pil_scale(data, req)
-                        ok = ok and got is not None and np.array_equal(ref, got)
-            except Exception:  # any failure of the fast path means: do not use it
-                ok = False
-            _SJ_CHECK.append(ok)
-        return _SJ_CHECK[0]
+    if not _SJ_CHECK:
+        ok = True
+        try:
+            for data in _synthetic_jpegs():
+                for req in ((173, 131), (80, 60), (40, 30), (20, 15)):
+                    ref = _pil_draft_rgb(data, req)
+                    got = _sj_at_pil_scale(data, req)
+                    ok = ok and got is not None and np.array_equal(ref, got)
+        except Exception:  # any failure of the fast path means: do not use it
+            ok = False
+        _SJ_CHECK[:] = [ok]
+    return _SJ_CHECK[0]
 
 
 def _pil_draft_rgb(data: bytes, req: tuple[int, int]) -> np.ndarray:

@@ -115,3 +115,36 @@ def test_jpeg_orientations_give_the_same_picture() -> None:
     for i in range(2, 9):
         got = decode_image(_read(f"hopper_orientation_{i}.jpg"), v)
         assert got.shape == upright.shape and np.abs(got.astype(int) - upright).mean() < 12, i
+
+
+def test_simplejpeg_at_pillows_draft_scale_is_byte_identical_on_the_corpus() -> None:
+    """The fast path's premise, checked directly on every plain corpus JPEG at scales 1, 1/2, 1/4, 1/8:
+    simplejpeg asked for the size Pillow's draft gives decodes exactly Pillow's pixels."""
+    from datacache.decode import _sj_at_pil_scale
+
+    checked = 0
+    for name in FILES:
+        data = _read(name)
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                plain = im.format == "JPEG" and im.mode in ("RGB", "L") and min(im.size) >= 16
+                w, h = im.size
+        except Exception:
+            continue
+        if not plain:
+            continue
+        for div in (1, 2, 4, 8):
+            req = (max(1, w // div), max(1, h // div))
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    im.draft("RGB", req)
+                    want = np.asarray(im.convert("RGB"))
+            except Exception:
+                break  # Pillow cannot decode it (truncated): decode_image never takes the fast path
+            try:
+                got = _sj_at_pil_scale(data, req)
+            except ValueError:
+                break  # simplejpeg refuses a file Pillow accepts: decode_image falls back to Pillow
+            assert got is not None and np.array_equal(got, want), (name, req)
+            checked += 1
+    assert checked >= 40

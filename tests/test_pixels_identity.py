@@ -173,3 +173,17 @@ def test_pillow_simd_is_its_own_family(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="makes 'pil-simd' pixels"):
         fill_one(buf.getvalue(), variant=V, **kw)
     assert fill_one(buf.getvalue(), variant=Variant(short_side=64, decoder_family="pil-simd"), **kw).record
+
+
+def test_simplejpeg_is_not_used_when_its_self_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The once-per-process check passes here; if it ever fails (another libjpeg-turbo build), the
+    backend is plain Pillow and decodes are unchanged."""
+    from datacache import decode
+
+    assert decode.simplejpeg_agrees() and decode.backend_name().startswith("simplejpeg")
+    buf = io.BytesIO()
+    _photo(300, 225, 5).save(buf, "JPEG", quality=90)
+    fast = decode.decode_image(buf.getvalue(), V)
+    monkeypatch.setattr(decode, "_SJ_CHECK", [False])
+    assert decode.backend_name().startswith("pillow")
+    assert np.array_equal(decode.decode_image(buf.getvalue(), V), fast)
