@@ -18,7 +18,7 @@ One definition of a variant's pixels
     ``exif_transpose`` to do, and the target size is computed from the upright image. JPEG, MPO,
     PNG (EXIF and XMP) and WebP keep their tag through ``load()`` and are turned here (all covered by
     the corpus test). HEIF: pillow-heif is not installed here, so it is untested; it orients on load by
-    default, and this rule is right for it exactly when it then drops the tag, as libtiff does. ICC
+    default, and this rule is right for it only if it then drops the tag, as libtiff does. ICC
     profiles are not applied (pixel values are taken as stored).
 
     Fast paths are used only where they reproduce these bytes exactly:
@@ -31,7 +31,7 @@ One definition of a variant's pixels
       on any mismatch simplejpeg is not used. Its JPEG decode alone is ~20 % faster, but decode +
       resize end to end is within noise of Pillow's draft path (measured 2026-11-23, 500x375:
       ~990 vs ~950 images/s); ``DATACACHE_DECODER=pil`` turns it off.
-    * torch's antialiased bilinear kernel is **not** used: it differs from Pillow's in ~0.2-0.5 % of
+    * torch's antialiased bilinear kernel is **not** used: it differs from Pillow's in ~0.1-0.5 % of
       values (by 1), so a daemon and a client would write different bytes for the same key. Cost of
       dropping it (and the M/8 scaling), measured one core with torch loaded: 500x375 JPEG ~1,070 ->
       ~950 images/s, 300x225 ~1,600 -> ~1,350, 1024x768 ~350 -> ~340 (5-15 %).
