@@ -187,3 +187,24 @@ def test_simplejpeg_is_not_used_when_its_self_check_fails(monkeypatch: pytest.Mo
     monkeypatch.setattr(decode, "_SJ_CHECK", [False])
     assert decode.backend_name().startswith("pillow")
     assert np.array_equal(decode.decode_image(buf.getvalue(), V), fast)
+
+
+def test_dali_fills_distinct_keys(dataset: str, tmp_path) -> None:
+    """DALI's pixels are not Pillow's: the same dataset filled by DALI lands under other keys (the
+    ``-dali`` tag), so a reader of the ``pil`` variant never sees them."""
+    from cache_daemon.decoders import DaliDecoder, dali_available, variant_for
+    from datacache.warm import fill_missing
+
+    if dali_available() is not None:
+        pytest.skip(str(dali_available()))
+    man = Manifest.build(dataset)
+    dali = DaliDecoder(device="cpu")
+    dv = variant_for(V, dali)
+    assert dv.decoder_family == "dali" and dv.tag() != V.tag()
+    reader = ReadThrough(man, dv, parse_cache_url(f"lmdb://{tmp_path}/d"), t1_dir=None)
+    rep = fill_missing(reader, range(len(man)), workers=1, decoder=dali, progress=False)
+    assert rep.written == len(man)
+    filled = _records(dataset, f"{tmp_path}/d")  # read as the pil variant: nothing there
+    assert filled == {}
+    keys = reader.keys(range(len(man)))
+    assert all(v is not None for v in reader.store.get_many(keys))
