@@ -208,3 +208,17 @@ def test_dali_fills_distinct_keys(dataset: str, tmp_path) -> None:
     assert filled == {}
     keys = reader.keys(range(len(man)))
     assert all(v is not None for v in reader.store.get_many(keys))
+
+
+@pytest.mark.parametrize("forced", ["", "pil"])
+def test_a_truncated_jpeg_is_an_error_on_both_paths(forced: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """simplejpeg refuses what Pillow refuses (a cut stream): neither path turns it into pixels."""
+    from datacache.decode import DecodeError, backend_name, decode_image
+
+    monkeypatch.setenv("DATACACHE_DECODER", forced)
+    assert backend_name().startswith("pillow" if forced else "simplejpeg")
+    buf = io.BytesIO()
+    _photo(400, 300, 9).save(buf, "JPEG", quality=90)
+    for cut in (0.5, 0.99):
+        with pytest.raises(DecodeError, match="truncated"):
+            decode_image(buf.getvalue()[: int(len(buf.getvalue()) * cut)], V, name="cut.jpg")
