@@ -162,11 +162,13 @@ def test_fill_refuses_a_decoder_of_another_family() -> None:
 def test_pillow_simd_is_its_own_family(monkeypatch: pytest.MonkeyPatch) -> None:
     """pillow-simd replaces PIL, so it cannot be installed beside Pillow here: the installed flavour is
     simulated. Filling a ``pil`` variant with it is refused; ``pil-simd`` is its own key space."""
+    from cache_daemon.decoders import variant_for
     from datacache import decode
     from datacache.fill import fill_one
 
     monkeypatch.setattr(decode, "_PILLOW", "pillow-simd-12.1.1.post0")
     assert decode.pil_family() == "pil-simd"
+    assert variant_for(V, None).tag() == "s64m128bilinear-raw-pil-simd"  # what its daemon fills
     buf = io.BytesIO()
     _photo(40, 30, 2).save(buf, "PNG")
     kw = {"rel": "x.png", "size": len(buf.getvalue()), "label": 0, "key": b"dc:0:t:0"}
