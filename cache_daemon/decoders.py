@@ -139,20 +139,28 @@ class DaliDecoder:
             datas_, sizes_ = [d for d, _ in todo], [t for _, t in todo]
             pixels: list[np.ndarray | None] = list(self.decode_batch(datas_, sizes_))
         except Exception:  # DALI refused the batch (one corrupt stream): decode each file alone, so a
-            pixels = []     # file's pixels never depend on the files that share its chunk
-            for d, t in todo:
-                try:
-                    pixels.append(self.decode_batch([d], [t])[0])
-                except Exception:  # DALI cannot decode this file: Pillow decides (pixels or an error)
-                    pixels.append(None)
+            pixels = [self._decode_alone(d, t) for d, t in todo]  # file never depends on its chunk
         for (d, t), px in zip(todo, pixels):
             if px is not None and px.shape[:2] == (t[1], t[0]):
                 self._ready[id(d)] = px
+
+    def _decode_alone(self, data: bytes, target: tuple[int, int]) -> np.ndarray | None:
+        """One plain JPEG through DALI; None when DALI cannot decode it (Pillow then decides)."""
+        try:
+            px = self.decode_batch([data], [target])[0]
+        except Exception:
+            return None
+        return px if px.shape[:2] == (target[1], target[0]) else None
 
     def __call__(self, data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.ndarray:
         px = self._ready.pop(id(data), None)
         if px is not None:
             return px
+        target = plain_jpeg_target(data, variant) if isinstance(data, (bytes, bytearray)) else None
+        if target is not None:  # not prepared with its chunk: DALI still decodes it (same family bytes)
+            px = self._decode_alone(data, target)
+            if px is not None:
+                return px
         return decode_image(data, variant, name=name)
 
 

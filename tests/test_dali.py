@@ -133,3 +133,19 @@ def test_daemon_pass_with_dali_fills_and_reports_the_dali_tag(photos: str, tmp_p
         keys = reader.keys(range(len(man)))
         got = reader.store.get_many(keys)
         assert all((g is not None) == present for g in got), family
+
+
+def test_an_unprepared_call_gives_the_same_bytes_as_a_prepared_chunk(photos: str) -> None:
+    """``fill_one`` may call the decoder without ``prepare`` (a single sample): a plain JPEG is still
+    decoded by DALI, so the ``dali`` family's bytes do not depend on how the caller batched."""
+    files = sorted(f for f in glob.glob(os.path.join(photos, "*", "*"))
+                   if f.lower().endswith((".jpeg", ".jpg")))[:3]
+    datas = [open(f, "rb").read() for f in files]  # noqa: SIM115
+    v = Variant(short_side=64, decoder_family="dali")
+    dec = DaliDecoder(device="cpu")
+    dec.prepare(datas, v)
+    batched = [dec(d, v) for d in datas]
+    alone = [DaliDecoder(device="cpu")(bytes(d), v) for d in datas]
+    for a, b, d in zip(batched, alone, datas):
+        assert np.array_equal(a, b)
+        assert not np.array_equal(a, decode_image(d, Variant(short_side=64)))  # DALI's, not Pillow's
