@@ -1,9 +1,12 @@
 """Decode backends of the ingest pool: Pillow (the core's :func:`~datacache.decode.decode_image`) and DALI.
 
-Both produce the same variant and therefore the same record: the output size is computed by the
-core (:func:`~datacache.decode.plain_jpeg_target`, the rounding of :func:`~datacache.decode.target_size`)
-and given to the backend, so a DALI-filled cache and a Pillow-filled one hold samples of identical
-shape; pixels differ by the resampling implementations only (tested within a tolerance).
+DALI's pixels are not Pillow's (another JPEG decoder build or nvJPEG, another resize), so they are their
+own decoder family: :attr:`DaliDecoder.family` is ``dali`` (CPU) or ``dali-gpu`` (nvJPEG), the daemon fills
+``Variant(decoder_family=...)`` of that family (:func:`variant_for`: the family is part of the key's variant
+tag) and a client reads them by asking for that family. Within a family a sample is a function of the file
+bytes only: a plain JPEG is decoded by DALI (alone, if its chunk's batch fails), anything else -- and a
+file DALI cannot decode -- by Pillow's :func:`~datacache.decode.decode_image`. The output size is the
+core's (:func:`~datacache.decode.plain_jpeg_target`), so both families have samples of identical shape.
 
 :class:`DaliDecoder` (the ``[dali]`` extra, ``nvidia-dali-cuda120``): a DALI pipeline fed with the
 bytes *our* reader fetched (``fn.external_source``: T1, retries and identity checks stay ours),
@@ -21,6 +24,7 @@ detects the pid change, never touches (nor destroys) the inherited pipeline and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from datacache.config import Variant
-from datacache.decode import decode_image, plain_jpeg_target
+from datacache.decode import decode_image, pil_family, plain_jpeg_target
 
 _INHERITED: list[Any] = []  # pipelines inherited over fork: referenced forever, so never destroyed here
 
@@ -65,14 +69,24 @@ class DaliDecoder:
         self._pipeline: Any = None  # built on first use, in this process (module docstring)
         self._ready: dict[int, np.ndarray] = {}
         self._pid = os.getpid()
+        self._family: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch,
-                "_pipeline": None, "_ready": {}, "_pid": -1}
+                "_pipeline": None, "_ready": {}, "_pid": -1,
+                "_family": self._family}
 
     @property
     def on_gpu(self) -> bool:
         return self.device == "gpu" or (self.device == "auto" and gpu_available())
+
+    @property
+    def family(self) -> str:
+        """Decoder family of the pixels (module docstring): ``dali-gpu`` with nvJPEG, else ``dali``.
+        Resolved once per object (``fill_one`` asks for every sample; ``auto`` probes for a GPU)."""
+        if self._family is None:
+            self._family = "dali-gpu" if self.on_gpu else "dali"
+        return self._family
 
     def _pipe(self) -> Any:
         if self._pid != os.getpid():  # fork boundary (module docstring): keep, never run, the parent's
@@ -83,7 +97,7 @@ class DaliDecoder:
             return self._pipeline
         from nvidia.dali import fn, pipeline_def, types  # type: ignore[import-not-found]
 
-        gpu = self.on_gpu
+        gpu = self.family == "dali-gpu"  # the family the keys were named for, resolved once (parent)
 
         @pipeline_def(batch_size=self.max_batch, num_threads=self.threads, device_id=0 if gpu else None,
                       prefetch_queue_depth=1)
@@ -109,7 +123,7 @@ class DaliDecoder:
             pipe.feed_input("sizes", [np.array([h, w], dtype=np.float32)
                                       for w, h in sizes[s:s + self.max_batch]])
             (images,) = pipe.run()
-            if self.on_gpu:
+            if self.family == "dali-gpu":
                 images = images.as_cpu()  # device -> host copy (a sync point)
             out.extend(np.ascontiguousarray(images.at(i)) for i in range(len(part)))
         return out
@@ -122,18 +136,38 @@ class DaliDecoder:
         if not todo:
             return
         try:
-            pixels = self.decode_batch([d for d, _ in todo], [t for _, t in todo])
-        except Exception:  # DALI refused the batch (a corrupt stream): Pillow decodes each file
-            return
+            datas_, sizes_ = [d for d, _ in todo], [t for _, t in todo]
+            pixels: list[np.ndarray | None] = list(self.decode_batch(datas_, sizes_))
+        except Exception:  # DALI refused the batch (one corrupt stream): decode each file alone, so a
+            pixels = [self._decode_alone(d, t) for d, t in todo]  # file never depends on its chunk
         for (d, t), px in zip(todo, pixels):
-            if px.shape[:2] == (t[1], t[0]):
+            if px is not None and px.shape[:2] == (t[1], t[0]):
                 self._ready[id(d)] = px
+
+    def _decode_alone(self, data: bytes, target: tuple[int, int]) -> np.ndarray | None:
+        """One plain JPEG through DALI; None when DALI cannot decode it (Pillow then decides)."""
+        try:
+            px = self.decode_batch([data], [target])[0]
+        except Exception:
+            return None
+        return px if px.shape[:2] == (target[1], target[0]) else None
 
     def __call__(self, data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.ndarray:
         px = self._ready.pop(id(data), None)
         if px is not None:
             return px
+        target = plain_jpeg_target(data, variant) if isinstance(data, (bytes, bytearray)) else None
+        if target is not None:  # not prepared with its chunk: DALI still decodes it (same family bytes)
+            px = self._decode_alone(data, target)
+            if px is not None:
+                return px
         return decode_image(data, variant, name=name)
+
+
+def variant_for(variant: Variant, decoder: Any) -> Variant:
+    """``variant`` in the decoder family of ``decoder`` (None = this process's Pillow): what it fills."""
+    family = pil_family() if decoder is None else decoder.family
+    return dataclasses.replace(variant, decoder_family=family)
 
 
 def make_decoder(name: str) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_daemon.config import DaemonConfig, DatasetSpec
+from cache_daemon.decoders import variant_for
 from cache_daemon.ownership import owned_mask
 from datacache.cacheurl import parse_cache_url
 from datacache.fillstatus import report_fill
@@ -57,13 +58,15 @@ class DatasetState:
     passes: int = 0
     error: str = ""
     quarantined: dict[str, str] = field(default_factory=dict)
+    variant_tag: str = ""  # the tag filled (its decoder family is the daemon decoder's), set by a pass
 
     @property
     def fill(self) -> float:
         return self.done / self.owned if self.owned else 1.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"source": self.spec.source, "variant": self.spec.variant().tag(), "status": self.status,
+        tag = self.variant_tag or self.spec.variant().tag()
+        return {"source": self.spec.source, "variant": tag, "status": self.status,
                 "fingerprint": self.fingerprint, "total": self.total, "owned": self.owned, "done": self.done,
                 "fill": round(self.fill, 6), "decoded": self.decoded, "rate": round(self.rate, 1),
                 "bytes_read": self.bytes_read, "write_errors": self.write_errors, "passes": self.passes,
@@ -112,7 +115,8 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         state.status = "listing"
         man = Manifest.build(state.spec.source, persist_dir=manifest_dir_for(spec),
                              revalidate=state.spec.revalidate)
-        variant = state.spec.variant()
+        variant = variant_for(state.spec.variant(), decoder)  # the decoder's family: keys never mix
+        state.variant_tag = variant.tag()
         reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,
                              t1_max_bytes=cfg.t1_max_bytes or None)
         state.fingerprint, state.total = man.fingerprint, len(man)

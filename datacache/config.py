@@ -9,8 +9,10 @@ one variant serves progressive resizing and every sweep run.
 Defaults: short side 160 (decoded uint8 ImageNet at 160 px is ~98 GB; 224 px would be
 ~193 GB), longer side capped at 2x the short side so panoramas stay bounded, bilinear
 resampling (with Pillow's antialiasing support when shrinking: close to "area" quality at a
-fraction of lanczos' cost), raw pixels. ``encoding="jpeg"`` re-encodes the resized sample
-as JPEG (quality ``jpeg_quality``), ~7x smaller, for clusters whose memory cannot hold raw.
+fraction of lanczos' cost), raw pixels, decoded by stock Pillow (``decoder_family="pil"``;
+``"dali"`` / ``"dali-gpu"`` name the samples a DALI-decoding daemon fills, ``"pil-simd"`` those of a
+pillow-simd install). ``encoding="jpeg"`` re-encodes the resized sample as JPEG (quality
+``jpeg_quality``), ~7x smaller, for clusters whose memory cannot hold raw.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 
 RESAMPLE_CHOICES = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 ENCODING_CHOICES = ("raw", "jpeg")
+# Which decoder + resize implementation made the pixels. Implementations that do not reproduce each
+# other byte for byte are separate families, so their samples never share a key (README "Decoding").
+DECODER_FAMILY_CHOICES = ("pil", "pil-simd", "dali", "dali-gpu")
 
 
 class ConfigError(ValueError):
@@ -35,6 +40,7 @@ class Variant:
     resample: str = "bilinear"
     encoding: str = "raw"
     jpeg_quality: int = 90
+    decoder_family: str = "pil"
 
     def __post_init__(self) -> None:
         if not isinstance(self.short_side, int) or isinstance(self.short_side, bool) or self.short_side < 1:
@@ -58,6 +64,11 @@ class Variant:
             )
         if not isinstance(self.jpeg_quality, int) or not 1 <= self.jpeg_quality <= 100:
             raise ConfigError(f"Variant.jpeg_quality must be an int in 1..100, got {self.jpeg_quality!r}")
+        if self.decoder_family not in DECODER_FAMILY_CHOICES:
+            raise ConfigError(
+                f"Variant.decoder_family={self.decoder_family!r} is not valid; "
+                f"choose one of {', '.join(DECODER_FAMILY_CHOICES)}"
+            )
 
     @property
     def long_cap(self) -> int:
@@ -67,10 +78,13 @@ class Variant:
     def tag(self) -> str:
         """Short stable string naming this variant inside cache keys, e.g. ``s160m320bilinear-raw``.
 
-        The JPEG quality is part of the tag only for the jpeg encoding (``...-jpeg90``).
+        The JPEG quality is part of the tag only for the jpeg encoding (``...-jpeg90``). The decoder
+        family is part of it unless it is the default ``pil`` (``s160m320bilinear-raw-dali``), so samples
+        of different decoder families never share a key.
         """
         enc = self.encoding if self.encoding == "raw" else f"{self.encoding}{self.jpeg_quality}"
-        return f"s{self.short_side}m{self.long_cap}{self.resample}-{enc}"
+        fam = "" if self.decoder_family == "pil" else f"-{self.decoder_family}"
+        return f"s{self.short_side}m{self.long_cap}{self.resample}-{enc}{fam}"
 
 
 def user_cache_dir() -> str:

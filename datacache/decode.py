@@ -1,28 +1,62 @@
 """Decode image bytes into the cached variant: C-contiguous RGB uint8 ``[H, W, 3]``.
 
+One definition of a variant's pixels
+    The bytes under a key are a function of (file bytes, variant) only: not of the process that fills
+    it (the daemon never imports torch, a client usually has it loaded), nor of which optional decoder
+    is installed. The reference is stock Pillow, step by step::
+
+        im = Image.open(f)                       # first frame of multi-frame files
+        if im.format in ("JPEG", "MPO"):         # DCT scaling (see "JPEG DCT scaling")
+            im.draft("RGB", target in the file's stored orientation)
+        im.load()
+        im = ImageOps.exif_transpose(im)         # orientation read from the *loaded* image
+        im = to_rgb(im)                          # "Colour modes"
+        im = im.resize(target, resample, reducing_gap=3.0)   # only if the size differs
+
+    Orientation is applied once, after ``load()``, for every format: a loader that orients the pixels
+    itself (Pillow's libtiff TIFF loader does, and drops the tag) leaves nothing for
+    ``exif_transpose`` to do, and the target size is computed from the upright image. JPEG, MPO,
+    PNG (EXIF and XMP) and WebP keep their tag through ``load()`` and are turned here (all covered by
+    the corpus test). HEIF: pillow-heif is not installed here, so it is untested; it orients on load by
+    default, and this rule is right for it only if it then drops the tag, as libtiff does. ICC
+    profiles are not applied (pixel values are taken as stored).
+
+    Fast paths are used only where they reproduce these bytes exactly:
+
+    * ``simplejpeg`` (the ``fast`` extra) decodes a plain JPEG (RGB/YCbCr/gray, no EXIF rotation,
+      sides >= 16) at **the scale Pillow's draft would choose** (never libjpeg-turbo's M/8 factors,
+      which Pillow never uses); the resize is Pillow's. Both are libjpeg-turbo with the same IDCT and
+      upsampling: byte-identical on the vendored Pillow corpus (``tests/test_decode_corpus.py``), and
+      each process re-checks it once on synthetic JPEGs before using it (:func:`simplejpeg_agrees`);
+      on any mismatch simplejpeg is not used. Its JPEG decode alone is ~20 % faster, but decode +
+      resize end to end is within noise of Pillow's draft path (measured 2026-11-23, 500x375:
+      ~990 vs ~950 images/s); ``DATACACHE_DECODER=pil`` turns it off.
+    * torch's antialiased bilinear kernel is **not** used: it differs from Pillow's in ~0.1-0.5 % of
+      values (by 1), so a daemon and a client would write different bytes for the same key. Cost of
+      dropping it (and the M/8 scaling), measured one core with torch loaded: 500x375 JPEG ~1,070 ->
+      ~950 images/s, 300x225 ~1,600 -> ~1,350, 1024x768 ~350 -> ~340 (5-15 %).
+    * pillow-simd replaces ``PIL`` itself and its resize does not reproduce Pillow's (measured
+      2026-11-23, pillow-simd 12.1.1.post0 built here in a separate venv vs Pillow 13.0.0, this policy
+      on the corpus: full-size decodes identical, 73 of 123 resized outputs differ, 0.3 % of values by
+      up to 2), so it is its own decoder family (``pil-simd``, :func:`pil_family`): filling a ``pil``
+      variant with pillow-simd installed is refused (:func:`datacache.fill.fill_one`) with what to do.
+    * DALI decodes with other code (its own libjpeg-turbo build or nvJPEG, and its own resize): its
+      samples are the ``dali`` / ``dali-gpu`` families (``cache_daemon.decoders``), with their own keys.
+
 Geometry
     The shorter side becomes ``variant.short_side`` (small images are upscaled), the longer
     side keeps the aspect ratio but is capped at ``variant.long_cap`` (default 2x the short
     side, so panoramas stay bounded; a capped image has its short side below
-    ``short_side``). Sizes are rounded to the nearest pixel. EXIF orientation is applied
-    first (orientation 6 = rotated 90°: H and W swap), exactly like ``ImageOps.exif_transpose``.
-    Resampling uses ``variant.resample`` (default bilinear; Pillow's resize is antialiased
-    when shrinking, with ``reducing_gap=3`` which is visually identical and faster). In a process
-    that has torch loaded already (DataLoader workers, the trainer) a bilinear *shrink* of an RGB
-    image runs in torch's uint8 antialiased bilinear kernel instead (``F.interpolate(...,
-    antialias=True)``, the same filter: within 1 grey level of Pillow's, PSNR > 60 dB, tested) --
-    about twice as fast as stock Pillow's, which matters on the cold path. Processes without torch
-    (``datacache warm``, the daemon) never import it for this.
+    ``short_side``). Sizes are rounded to the nearest pixel, from the upright image (orientation
+    6 = rotated 90°: H and W swap). Resampling uses ``variant.resample`` (default bilinear; Pillow's
+    resize is antialiased when shrinking; ``reducing_gap=3`` first reduces by an integer factor when
+    the image is 3x or more the target, as documented by Pillow).
 
-JPEG fast path
+JPEG DCT scaling
     ``Image.draft()`` asks libjpeg for DCT-domain downscaling by 1/2, 1/4 or 1/8; Pillow picks
     the largest factor whose result is still **>= the requested size**, and we request the
-    final target size, so the last resize always shrinks by a factor < 2 and no detail is
-    lost. When ``simplejpeg`` is installed (the ``fast`` extra) and the JPEG is plain RGB/gray
-    without EXIF rotation, it decodes with the same DCT scaling (``min_width/min_height``)
-    and Pillow only resizes; otherwise Pillow does everything. pillow-simd is used
-    automatically when it is the installed ``PIL``. :func:`backend_name` reports the
-    backend; ``DATACACHE_DECODER=pil`` forces plain Pillow.
+    final target size (in the stored orientation), so the last resize always shrinks by a factor
+    < 2 and no detail is lost. :func:`backend_name` reports the backend.
 
 Colour modes
     CMYK (including Adobe-inverted JPEGs, handled by Pillow), YCbCr, L and 1-bit convert
@@ -52,7 +86,6 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import os
-import sys
 import warnings
 from typing import Any
 
@@ -110,14 +143,85 @@ def _pillow_flavour() -> str:
 _PILLOW = _pillow_flavour()
 
 
+def pil_family() -> str:
+    """Decoder family of :func:`decode_image` in this process: ``pil`` (stock Pillow) or ``pil-simd``."""
+    return "pil-simd" if _PILLOW.startswith("pillow-simd") else "pil"
+
+
+# memoised simplejpeg_agrees(). No lock on purpose: threads that race compute the same answer, and a lock
+# held by another thread at a fork would stay locked forever in the child (decode pools fork).
+_SJ_CHECK: list[bool] = []
+
+
+def _synthetic_jpegs() -> list[bytes]:
+    """Small JPEGs with the features that matter for identity: chroma subsampling 4:2:0 / 4:4:4,
+    progressive, grayscale, odd sizes (edge blocks)."""
+    rng = np.random.default_rng(1234)
+    base = rng.integers(0, 256, (9, 11, 3), dtype=np.uint8)
+    im = Image.fromarray(base).resize((173, 131), Image.Resampling.BICUBIC)
+    noisy = np.clip(np.asarray(im).astype(np.int16) + rng.integers(-24, 25, (131, 173, 3)), 0, 255)
+    im = Image.fromarray(noisy.astype(np.uint8))
+    out = []
+    for kw in ({"subsampling": 2}, {"subsampling": 0}, {"progressive": True}, {"subsampling": 1}):
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=88, **kw)
+        out.append(buf.getvalue())
+    buf = io.BytesIO()
+    im.convert("L").save(buf, "JPEG", quality=85)
+    out.append(buf.getvalue())
+    return out
+
+
+def simplejpeg_agrees() -> bool:
+    """Whether simplejpeg, asked for Pillow's draft scale, reproduces Pillow's decode byte for byte on
+    synthetic JPEGs at scales 1, 1/2, 1/4 and 1/8 (computed once per process; False without simplejpeg)."""
+    if _sj is None:
+        return False
+    if not _SJ_CHECK:
+        ok = True
+        try:
+            for data in _synthetic_jpegs():
+                for req in ((173, 131), (80, 60), (40, 30), (20, 15)):
+                    ref = _pil_draft_rgb(data, req)
+                    got = _sj_at_pil_scale(data, req)
+                    ok = ok and got is not None and np.array_equal(ref, got)
+        except Exception:  # any failure of the fast path means: do not use it
+            ok = False
+        _SJ_CHECK[:] = [ok]
+    return _SJ_CHECK[0]
+
+
+def _pil_draft_rgb(data: bytes, req: tuple[int, int]) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as im:
+        im.draft("RGB", req)
+        return np.asarray(im.convert("RGB"))
+
+
+def _sj_at_pil_scale(data: bytes, req: tuple[int, int], im: Image.Image | None = None) -> np.ndarray | None:
+    """simplejpeg decode at the scale Pillow's ``draft("RGB", req)`` picks; None if it cannot match.
+    ``im``: the file already opened by Pillow (header only), else it is opened here."""
+    if im is None:
+        with Image.open(io.BytesIO(data)) as opened:
+            return _sj_at_pil_scale(data, req, opened)
+    if im.format != "JPEG" or im.mode not in ("RGB", "L") or min(im.size) < 16:
+        return None
+    im.draft("RGB", req)  # header only: sets the scaled size, decodes nothing
+    dw, dh = im.size
+    arr = _sj.decode_jpeg(data, colorspace="RGB", min_width=dw, min_height=dh)
+    # libjpeg-turbo picks the smallest M/8 factor >= (dw, dh); with sides >= 16 the next smaller
+    # factor is always too small, so this is Pillow's factor: the shape check is a second guard
+    return arr if arr.shape == (dh, dw, 3) else None
+
+
 def _use_simplejpeg() -> bool:
-    return _sj is not None and os.environ.get("DATACACHE_DECODER", "").lower() != "pil"
+    return (_sj is not None and os.environ.get("DATACACHE_DECODER", "").lower() != "pil"
+            and simplejpeg_agrees())
 
 
 def backend_name() -> str:
-    """Which decoder runs, e.g. ``"pillow-13.0.0 (draft)"`` or ``"simplejpeg-1.9.0+pillow-13.0.0"``."""
+    """Which decoder runs, e.g. ``"pillow-13.0.0 (draft)"`` or ``"simplejpeg-1.9.0+pillow-13.0.0 ..."``."""
     if _use_simplejpeg():
-        return f"simplejpeg-{getattr(_sj, '__version__', '?')}+{_PILLOW} (draft fallback)"
+        return f"simplejpeg-{getattr(_sj, '__version__', '?')}+{_PILLOW} (draft scale, pillow resize)"
     return f"{_PILLOW} (draft)"
 
 
@@ -175,28 +279,9 @@ def _to_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def _torch_shrink(im: Image.Image, size: tuple[int, int]) -> np.ndarray | None:
-    """Bilinear antialiased shrink of an RGB image with torch, if torch is already loaded; else None.
-
-    Fork hazard: torch's intra-op (OpenMP) pool does not survive a fork; a forked process that runs
-    this must use one intra-op thread (DataLoader workers do; :mod:`datacache.warm`'s pool sets it)."""
-    torch = sys.modules.get("torch")
-    if torch is None or im.mode != "RGB" or size[0] > im.size[0] or size[1] > im.size[1]:
-        return None
-    src = np.asarray(im)
-    if not src.flags.writeable:
-        src = src.copy()
-    t = torch.from_numpy(src).permute(2, 0, 1).unsqueeze(0)
-    out = torch.nn.functional.interpolate(t, size=(size[1], size[0]), mode="bilinear", antialias=True,
-                                          align_corners=False)
-    return out[0].permute(1, 2, 0).contiguous().numpy()
-
-
 def _finish(im: Image.Image, size: tuple[int, int], variant: Variant) -> np.ndarray:
+    """The variant's one resize: Pillow's, whatever else is loaded in this process (module docstring)."""
     if im.size != size:
-        fast = _torch_shrink(im, size) if variant.resample == "bilinear" else None
-        if fast is not None:
-            return fast
         im = im.resize(size, _RESAMPLE[variant.resample], reducing_gap=3.0)
     arr = np.asarray(im)
     if not (arr.flags.c_contiguous and arr.flags.writeable):
@@ -205,36 +290,32 @@ def _finish(im: Image.Image, size: tuple[int, int], variant: Variant) -> np.ndar
 
 
 def _decode_simplejpeg(data: bytes, variant: Variant) -> np.ndarray | None:
-    """simplejpeg path for plain RGB/gray JPEGs without EXIF rotation; None -> use Pillow."""
-    try:
-        h, w, colorspace, _ = _sj.decode_jpeg_header(data)
-    except ValueError:
+    """simplejpeg at Pillow's draft scale for plain JPEGs without EXIF rotation; None -> use Pillow."""
+    with Image.open(io.BytesIO(data)) as probe:  # header parse only, no pixel decode
+        if probe.format != "JPEG" or probe.mode not in ("RGB", "L") or min(probe.size) < 16:
+            return None
+        w, h = probe.size
+        if w * h > JPEG_MAX_PIXELS or probe.getexif().get(0x0112, 1) != 1:
+            return None  # too big (Pillow's message) or rotated (Pillow applies the orientation)
+        size = target_size(w, h, variant)
+        arr = _sj_at_pil_scale(data, size, probe)
+    if arr is None:
         return None
-    if colorspace not in ("RGB", "YCbCr", "Gray"):
-        return None  # CMYK/YCCK: Pillow handles the conversion
-    if b"Exif" in data[:65536]:
-        with Image.open(io.BytesIO(data)) as probe:  # header parse only, no pixel decode
-            if probe.getexif().get(0x0112, 1) != 1:
-                return None  # rotated: Pillow applies the orientation
-    tw, th = target_size(w, h, variant)
-    if w * h > JPEG_MAX_PIXELS:
-        return None
-    arr = _sj.decode_jpeg(data, colorspace="RGB", min_width=tw, min_height=th)
-    return _finish(Image.fromarray(arr, "RGB"), (tw, th), variant)
+    return _finish(Image.fromarray(arr, "RGB"), size, variant)
 
 
 def decode_image(data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.ndarray:
     """Decode ``data`` to the variant (module docstring); raises :class:`DecodeError`."""
     if not data:
         raise DecodeError(name, "zero-byte file: nothing to decode (re-copy the file from its origin)")
-    if _use_simplejpeg() and data[:2] == b"\xff\xd8":
+    if data[:2] == b"\xff\xd8" and _use_simplejpeg():
         try:
             out = _decode_simplejpeg(bytes(data), variant)
-        except (ValueError, RuntimeError):
-            out = None  # corrupt for libjpeg-turbo too: let Pillow produce the error message
         except MemoryError:
             raise DecodeError(name, "out of memory while decoding (transient: retried in a later epoch)",
                               transient=True) from None
+        except Exception:  # anything simplejpeg or the header parse refuses: Pillow decides
+            out = None  # (Pillow then decodes it, or produces the error message)
         if out is not None:
             return out
     try:
@@ -242,22 +323,28 @@ def decode_image(data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.
         w, h = im.size
         if w < 1 or h < 1:
             raise DecodeError(name, f"image has an empty size {w}x{h}")
-        draftable = im.format == "JPEG"
+        draftable = im.format in ("JPEG", "MPO")
         limit = JPEG_MAX_PIXELS if draftable else FULL_DECODE_MAX_PIXELS
         if w * h > limit:
             raise DecodeError(name, f"{im.format} image of {w}x{h} = {w * h / 1e6:.0f} Mpx exceeds the "
                               f"{limit / 1e6:.0f} Mpx limit for {'JPEG' if draftable else 'non-JPEG'} "
                               "input; downscale the file offline (or convert it to JPEG, which decodes "
                               "with DCT scaling)")
-        orientation = im.getexif().get(0x0112, 1) if im.format in ("JPEG", "TIFF", "PNG", "WEBP") else 1
-        uw, uh = (h, w) if orientation in _ROTATING_ORIENTATIONS else (w, h)
-        size = target_size(uw, uh, variant)
         if draftable:
-            dw, dh = (size[1], size[0]) if orientation in _ROTATING_ORIENTATIONS else size
-            im.draft("RGB", (dw, dh))  # DCT scaling; result is >= (dw, dh)
+            # Pillow's JPEG loader never applies the orientation, so the header's value is the one
+            # exif_transpose reads after load(): ask for the target in the stored orientation
+            rot = im.getexif().get(0x0112, 1) in _ROTATING_ORIENTATIONS
+            tw, th = target_size(*((h, w) if rot else (w, h)), variant)
+            im.draft("RGB", (th, tw) if rot else (tw, th))  # DCT scaling; result is >= the request
         im.load()
-        if orientation != 1:
-            im = ImageOps.exif_transpose(im)
+        # orientation from the loaded image's state: a loader that oriented the pixels itself (libtiff)
+        # dropped the tag, so nothing is applied twice; XMP orientation (PNG, WebP) is honoured too
+        rot = im.getexif().get(0x0112, 1) in _ROTATING_ORIENTATIONS
+        ImageOps.exif_transpose(im, in_place=True)
+        if draftable:  # target from the full-size upright geometry, not the DCT-scaled one
+            size = target_size(*((h, w) if rot else (w, h)), variant)
+        else:
+            size = target_size(im.width, im.height, variant)
         return _finish(_to_rgb(im), size, variant)
     except DecodeError:
         raise

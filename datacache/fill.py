@@ -8,6 +8,11 @@ the daemon's decode pool alike), so one rule decides what is remembered as bad:
 * an **out-of-memory** decode is transient too;
 * only a **decode failure of complete bytes** (length equal to the manifest's size) is
   remembered, keyed by the file's identity (:mod:`datacache.quarantine`).
+
+The decoder must belong to the variant's decoder family (:attr:`~datacache.config.Variant.decoder_family`):
+a key holds the pixels of exactly one family, so a mismatch (a DALI decoder asked to fill a ``pil``
+variant, pillow-simd filling ``pil``, no DALI decoder for a ``dali`` variant) is a
+:class:`~datacache.config.ConfigError` naming the fix, raised before anything is decoded or written.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from datacache.config import Variant
-from datacache.decode import DecodeError, decode_image
+from datacache.config import ConfigError, Variant
+from datacache.decode import DecodeError, decode_image, pil_family
 from datacache.quarantine import read_failure_reason
 from datacache.record import decode_record, encode_record
 
@@ -36,10 +41,42 @@ class Filled:
 Decoder = Callable[..., np.ndarray]  # decode_image's signature: (data, variant, *, name) -> HWC uint8
 
 
+def decoder_family(decoder: Decoder | None) -> str:
+    """Family of the pixels ``decoder`` makes: Pillow's (:func:`~datacache.decode.pil_family`) for None,
+    else the backend's ``family`` attribute (a backend without one is refused)."""
+    if decoder is None:
+        return pil_family()
+    fam = getattr(decoder, "family", None)
+    if not isinstance(fam, str):
+        raise ConfigError(f"decoder {decoder!r} has no 'family' attribute: a decode backend must say which "
+                          "decoder family (Variant.decoder_family) its pixels belong to")
+    return fam
+
+
+def check_family(variant: Variant, decoder: Decoder | None) -> None:
+    """Raise :class:`ConfigError` unless ``decoder`` makes pixels of ``variant.decoder_family``."""
+    fam = decoder_family(decoder)
+    if fam == variant.decoder_family:
+        return
+    if variant.decoder_family.startswith("dali"):
+        fix = ("samples of this family are filled by a daemon with decoder = \"dali\": let it fill them "
+               "first (CachedImageNet.wait_warm()), or pass a DALI decoder of that family to fill")
+    elif fam.startswith("dali"):
+        fix = (f"use Variant(decoder_family={fam!r}) for what this DALI decoder fills (its own keys), or "
+               "decode with Pillow")
+    else:
+        fix = (f"this process's PIL is {fam!r}; use Variant(decoder_family={fam!r}) (own keys) or install "
+               "the PIL of the variant's family")
+    raise ConfigError(f"variant {variant.tag()} holds {variant.decoder_family!r} pixels but the decoder here "
+                      f"makes {fam!r} pixels, which differ: {fix}")
+
+
 def fill_one(data: bytes | BaseException, *, rel: str, size: int, label: int, key: bytes,
              variant: Variant, decoder: Decoder | None = None) -> Filled:
     """Decode ``data`` (or classify the read error it is) into the record stored under ``key``.
-    ``decoder`` is Pillow's :func:`~datacache.decode.decode_image` unless a backend (DALI) is given."""
+    ``decoder`` is Pillow's :func:`~datacache.decode.decode_image` unless a backend (DALI) is given; it
+    must make pixels of ``variant.decoder_family`` (:func:`check_family`, module docstring)."""
+    check_family(variant, decoder)
     if isinstance(data, BaseException):
         return Filled(reason=read_failure_reason(data))
     try:

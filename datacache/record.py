@@ -10,7 +10,10 @@ or ``"jpeg"``), the payload length and an xxh3_64 checksum over **the key the re
 under**, those fields and the payload. A flipped bit in the label is caught as well as one in the
 pixels, and a record stored or returned under another key (a reassembled multi-node reply, a
 copy bug) fails its check: :func:`decode_record` is given the key it was asked for. Format 2
-introduced the key binding; records of format 1 are misses (re-decoded and rewritten). ``raw`` payloads
+introduced the key binding; format 3 marks pixels made under "one definition of a variant's pixels"
+(:mod:`datacache.decode`: before it, the same key could hold torch- or Pillow-resized, M/8-scaled or
+mis-oriented pixels depending on the filler). Records of older formats are misses (re-decoded and
+rewritten). ``raw`` payloads
 are decoded zero-copy: :func:`decode_record` returns a read-only ``np.frombuffer`` view of
 the payload slice of the buffer it was given (an LMDB ``buffers=True`` memoryview, a Redis
 reply ...), so a cache hit costs one checksum pass and no copy. A ``jpeg`` payload
@@ -37,7 +40,7 @@ from PIL import Image
 
 from datacache.config import Variant
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 256
 _MAX_SIDE = 1 << 15

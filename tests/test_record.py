@@ -110,4 +110,4 @@ def test_format_1_records_are_misses(pixels: np.ndarray) -> None:
     hdr = msgpack.packb({"v": 1, "h": 8, "w": 8, "c": 3, "dtype": "uint8", "label": 2, "enc": "raw",
                          "n": len(payload), "xxh3": x.intdigest()}, use_bin_type=True)
     old = len(hdr).to_bytes(4, "little") + hdr + payload
-    assert FORMAT_VERSION == 2 and decode_record(old, K) is None
+    assert FORMAT_VERSION == 3 and decode_record(old, K) is None
