@@ -17,12 +17,13 @@
   own namespace.
 
 The NFS stand-in is ``slowfile://`` (:mod:`datacache.slowfs`): namespaces share the filesystem, so
-every node reads the same files through it (``--images N`` generates a dataset under ``D/dataset``).
+every node reads the same files through it (``--images N`` generates one under ``D/dataset-N``).
 
 ``status`` prints per node: redis alive, cluster state, daemon ``/health`` (queried from inside the
-node's namespace). ``down`` stops every process in our namespaces and deletes them; ``--cleanup``
-does the same for leftovers of any run (only names starting with ``dce-`` / ``dce``). ``up`` tears
-down what it built when it fails or is interrupted (atexit + SIGINT/SIGTERM/SIGHUP handlers).
+node's namespace); ``counters`` the veths' byte counters; ``links`` one TCP stream's rate per link.
+``down`` stops every process in our namespaces and deletes them; ``--cleanup`` does the same for
+leftovers of any run (only names starting with ``dce-`` / ``dce``). ``up`` tears down what it built
+when it fails or is interrupted (atexit + SIGINT/SIGTERM/SIGHUP handlers).
 
 State (tag, names, addresses, passwords, ports) lives in ``D/emucluster.json`` next to a marker file
 ``D/.datacache-emucluster``; a directory with other content and no marker is refused.
@@ -78,9 +79,11 @@ class EmuError(RuntimeError):
     """A clear one-line reason why the emulated cluster could not be built, queried or removed."""
 
 
-def _run(cmd: Sequence[str], *, check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+def _run(cmd: Sequence[str], *, check: bool = True, timeout: float = 60.0,
+         env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     try:
-        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
+                           env=None if env is None else dict(env))
     except FileNotFoundError:
         raise EmuError(f"{cmd[0]}: not installed (needs iproute2, redis-server, redis-cli)") from None
     except subprocess.TimeoutExpired:
@@ -122,8 +125,9 @@ class EmuConfig:
     timeout: float = 60.0                 # seconds for each wait (redis up, cluster ok, daemon healthy)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.nodes <= MAX_NODES:
-            raise EmuError(f"nodes must be 1..{MAX_NODES}, got {self.nodes}")
+        if not 3 <= self.nodes <= MAX_NODES:  # a Redis Cluster needs 3 masters
+            raise EmuError(f"nodes must be 3..{MAX_NODES} (a Redis Cluster needs 3 masters), "
+                           f"got {self.nodes}")
         if self.rate_gbit is not None and not self.rate_gbit > 0:
             raise EmuError(f"rate_gbit must be > 0 Gbit/s (or use fast mode), got {self.rate_gbit}")
         for name, port in (("redis_port", self.redis_port), ("http_port", self.http_port)):
@@ -183,7 +187,8 @@ def _toml_scalar(key: str, v: Any) -> str:
                    "bench/emucluster.py cannot write back (scalars and [[datasets]] tables only)")
 
 
-def fill_daemon_toml(template: str, overrides: Mapping[str, Any], datasets: Sequence[Mapping[str, Any]]) -> str:
+def fill_daemon_toml(template: str, overrides: Mapping[str, Any],
+                     datasets: Sequence[Mapping[str, Any]]) -> str:
     """The daemon.toml template with ``overrides`` set and its ``[[datasets]]`` replaced by ``datasets``."""
     try:
         with open(template, "rb") as f:
@@ -242,8 +247,8 @@ class EmuCluster:
     def _prepare_dir(self) -> None:
         d = self.cfg.state_dir
         if os.path.isdir(d) and os.listdir(d) and not os.path.exists(os.path.join(d, MARKER)):
-            raise EmuError(f"{d}: exists, is not empty and was not made by bench/emucluster.py (no {MARKER}); "
-                           "pick another --dir")
+            raise EmuError(f"{d}: exists, is not empty and was not made by bench/emucluster.py "
+                           f"(no {MARKER}); pick another --dir")
         if os.path.exists(os.path.join(d, STATE)):
             raise EmuError(f"{d}: an emulated cluster is already up (run 'down --dir {d}' first)")
         os.makedirs(d, exist_ok=True)
@@ -275,7 +280,8 @@ class EmuCluster:
         tag = str(state.get("tag", ""))
         names = [*state.get("namespaces", []), state.get("switch", "")]
         if not all(isinstance(n, str) and n.startswith(f"{PREFIX}{tag}-") for n in names) or not tag:
-            raise EmuError(f"{path}: namespace names do not carry our prefix {PREFIX}{tag}-; refusing to use it")
+            raise EmuError(f"{path}: namespace names do not carry our prefix {PREFIX}{tag}-; "
+                           "refusing to use it")
         net = ipaddress.ip_network(state.get("subnet", "0.0.0.0/32"))
         if not net.subnet_of(POOL) or not all(ipaddress.ip_address(a) in net for a in state.get("addrs", [])):
             raise EmuError(f"{path}: addresses outside {POOL}; refusing to use them")
@@ -414,11 +420,13 @@ class EmuCluster:
 
     def redis_cli(self, node: int, *args: str, timeout: float = 10.0, check: bool = False
                   ) -> subprocess.CompletedProcess[str]:
-        """``redis-cli`` as the admin user against node's master, run inside node's namespace."""
+        """``redis-cli`` as the admin user against node's master, run inside node's namespace (the
+        password goes through REDISCLI_AUTH, not the command line that ``ps`` shows)."""
         host = self.check_target(self.addrs[node])
         return _run(["ip", "netns", "exec", self.ns(node), "redis-cli", "-h", host,
-                     "-p", str(self.state["redis_port"]), "--user", "admin", "--pass", self.state["admin_pass"],
-                     "--no-auth-warning", *args], check=check, timeout=timeout)
+                     "-p", str(self.state["redis_port"]), "--user", "admin", "--no-auth-warning", *args],
+                    check=check, timeout=timeout,
+                    env={**os.environ, "REDISCLI_AUTH": self.state["admin_pass"]})
 
     def _start_redis(self) -> None:
         s = self.state
@@ -427,9 +435,9 @@ class EmuCluster:
             shutil.rmtree(wd, ignore_errors=True)  # ours (under our marked dir): a previous run's node
             os.makedirs(wd)
             conf = os.path.join(wd, "redis.conf")
-            text = fill_redis_conf(self.cfg.redis_template, addr=self.check_target(addr), port=s["redis_port"],
-                                   workdir=wd, maxmemory=self.cfg.maxmemory, admin_pass=s["admin_pass"],
-                                   user_pass=s["user_pass"])
+            text = fill_redis_conf(self.cfg.redis_template, addr=self.check_target(addr),
+                                   port=s["redis_port"], workdir=wd, maxmemory=self.cfg.maxmemory,
+                                   admin_pass=s["admin_pass"], user_pass=s["user_pass"])
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -456,8 +464,6 @@ class EmuCluster:
                        + (f"; last log line of {log}: {tail}" if tail else ""))
 
     def _create_cluster(self) -> None:
-        if len(self.addrs) < 3:
-            raise EmuError(f"a Redis Cluster needs 3 masters; got {len(self.addrs)} nodes")
         r = self.redis_cli(0, "--cluster", "create", *[self.redis_addr(i) for i in range(len(self.addrs))],
                            "--cluster-yes", timeout=60)
         if "All 16384 slots covered" not in r.stdout:
@@ -491,7 +497,8 @@ class EmuCluster:
             self._spawn(i, [sys.executable, "-m", "cache_daemon", "--config", conf, "--no-progress"],
                         os.path.join(wd, "daemon.log"), env=self._daemon_env())
         for i in range(len(self.addrs)):
-            self._wait(lambda i=i: self.daemon_health(i) is True, f"daemon on node {i} did not become healthy",
+            self._wait(lambda i=i: self.daemon_health(i) is True,
+                       f"daemon on node {i} did not become healthy",
                        os.path.join(self.dir, f"node{i}", "daemon.log"), node=i)
 
     # ------------------------------------------------------------------ queries
@@ -527,8 +534,9 @@ class EmuCluster:
             state = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
                           if ln.startswith("cluster_state:")), "unknown")
             health = self.daemon_health(i)
-            out.append({"node": i, "namespace": self.ns(i), "addr": addr, "redis": alive, "cluster_state": state,
-                        "daemon_health": health, "ok": bool(alive and state == "ok" and health)})
+            out.append({"node": i, "namespace": self.ns(i), "addr": addr, "redis": alive,
+                        "cluster_state": state, "daemon_health": health,
+                        "ok": bool(alive and state == "ok" and health)})
         return out
 
     def cluster_masters(self) -> list[dict[str, Any]]:
@@ -574,12 +582,47 @@ class EmuCluster:
         full = {**self._daemon_env(), **self.node_env(node), **(env or {})}
         return subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], env=full, **popen_kw)
 
+    def torchrun_argv(self, node: int, script_argv: Sequence[str], *, nproc_per_node: int = 1,
+                      rdzv_port: int = 29400, rdzv_id: str | None = None) -> list[str]:
+        """``torchrun`` argv for ``node``'s agent: ``--nnodes N``, c10d rendezvous on node 0's address.
+        Node 0's agent hosts the store (``is_host`` explicit: torchrun's own guess compares the endpoint
+        with the hostname's addresses, and the hostname resolves to 127.0.0.1 in every namespace).
+        Start it with :meth:`run_on` on every node."""
+        if not 1 <= rdzv_port <= 65535:
+            raise EmuError(f"rdzv_port must be 1..65535, got {rdzv_port}")
+        host = self.check_target(self.addrs[0])
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(self.addrs)}",
+                f"--nproc-per-node={nproc_per_node}", f"--node-rank={node}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={host}:{rdzv_port}", f"--rdzv-id={rdzv_id or self.state['tag']}",
+                f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={self.addrs[node]}", *script_argv]
+
+    def throughput_gbit(self, src: int, dst: int, nbytes: int = 16 << 20, port: int = 29411) -> float:
+        """One TCP stream ``src`` -> ``dst`` across the switch (a self-test of the shaping)."""
+        from bench.netns import _CLIENT, _SERVER
+
+        if nbytes < 1:
+            raise EmuError(f"nbytes must be >= 1, got {nbytes}")
+        addr = self.check_target(self.addrs[dst])
+        srv = self.run_on(dst, [sys.executable, "-c", _SERVER, addr, str(port)], stdout=subprocess.PIPE,
+                          text=True)
+        try:
+            if srv.stdout is None or not srv.stdout.readline().startswith("ready"):
+                raise EmuError(f"throughput server on node {dst} did not start")
+            cli = self.run_on(src, [sys.executable, "-c", _CLIENT, addr, str(port), str(int(nbytes))],
+                              stdout=subprocess.PIPE, text=True)
+            out, _ = cli.communicate(timeout=120)
+            return float(out.strip())
+        finally:
+            srv.wait(timeout=30)
+
     # ------------------------------------------------------------------ teardown
     def down(self) -> list[str]:
         """Stop every process in our namespaces, delete the namespaces (and with them every veth and the
         bridge) and the state file. Idempotent; safe after a partial ``up``. Returns what was removed."""
         if not self._down_lock.acquire(blocking=False):
-            return []  # a signal arrived while down() already runs
+            # a signal arrived while down() already runs: its handler's SystemExit unwinds that down(),
+            # and the still-registered atexit hook (disarm() comes last) runs down() again at exit
+            return []
         try:
             removed = []
             names = [*self.state.get("namespaces", []), self.state.get("switch", "")]
@@ -644,7 +687,8 @@ def _is_zombie(pid: int) -> bool:
 
 
 def _list_namespaces() -> list[str]:
-    return [ln.split()[0] for ln in _run(["ip", "netns", "list"], check=False).stdout.splitlines() if ln.split()]
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [ln.split()[0] for ln in out.splitlines() if ln.split()]
 
 
 def cleanup() -> list[str]:
@@ -676,7 +720,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--http-port", type=int, default=8470, help="daemon HTTP port (loopback in each node)")
     up.add_argument("--maxmemory", default="256mb", help="per master (default 256mb)")
     up.add_argument("--images", type=int, default=0, help="generate a dataset of ~N JPEGs for the daemons")
-    up.add_argument("--dataset", action="append", default=[], metavar="SOURCE", help="dataset for the daemons")
+    up.add_argument("--dataset", action="append", default=[], metavar="SOURCE",
+                    help="dataset for the daemons")
     up.add_argument("--short-side", type=int, default=64)
     up.add_argument("--workers", type=int, default=1, help="decode processes per daemon (default 1)")
     up.add_argument("--redis-template", default=REDIS_TEMPLATE)
@@ -684,9 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--timeout", type=float, default=60.0, help="seconds for each wait (default 60)")
     st = sub.add_parser("status", help="per node: redis, cluster state, daemon /health (JSON)")
     ct = sub.add_parser("counters", help="per-node veth byte counters (JSON)")
+    lk = sub.add_parser("links", help="measure one TCP stream node i -> node i+1 for every node (JSON)")
+    lk.add_argument("--mb", type=int, default=32, help="MiB per stream (default 32)")
     dn = sub.add_parser("down", help="stop everything and delete the namespaces")
     dn.add_argument("--cleanup", action="store_true", help="also remove leftovers of any run (dce-* names)")
-    for p in (up, st, ct, dn):
+    for p in (up, st, ct, lk, dn):
         p.add_argument("--dir", default=DEFAULT_DIR, help=f"state directory (default {DEFAULT_DIR})")
     a = ap.parse_args(argv)
     try:
@@ -698,8 +745,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             daemon_template=a.daemon_template, timeout=a.timeout)
             c = EmuCluster(cfg).up()
             c.disarm()  # success: the services outlive this command
-            print(json.dumps({"dir": c.dir, "cache": c.cache_url(), "nodes": [
-                {"namespace": c.ns(i), "addr": c.addrs[i], "ifname": c.ifname(i)} for i in range(len(c.addrs))],
+            nodes = [{"namespace": c.ns(i), "addr": c.addrs[i], "ifname": c.ifname(i)}
+                     for i in range(len(c.addrs))]
+            print(json.dumps({"dir": c.dir, "cache": c.cache_url(), "nodes": nodes,
                 "rate_gbit": c.state["rate_gbit"], "datasets": c.state["datasets"]}, indent=1))
         elif a.cmd == "status":
             nodes = EmuCluster.load(a.dir).status()
@@ -707,6 +755,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0 if all(n["ok"] for n in nodes) else 1
         elif a.cmd == "counters":
             print(json.dumps(EmuCluster.load(a.dir).link_counters(), indent=1))
+        elif a.cmd == "links":
+            c = EmuCluster.load(a.dir)
+            if a.mb < 1:
+                raise EmuError(f"--mb must be >= 1, got {a.mb}")
+            n = len(c.addrs)
+            links = [{"src": i, "dst": (i + 1) % n,
+                      "gbit_s": round(c.throughput_gbit(i, (i + 1) % n, a.mb << 20), 3)} for i in range(n)]
+            print(json.dumps({"rate_gbit": c.state["rate_gbit"], "links": links}, indent=1))
         else:
             removed: list[str] = []
             with contextlib.suppress(EmuError):
