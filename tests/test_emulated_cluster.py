@@ -234,6 +234,25 @@ def test_torchrun_ranks_on_three_nodes_all_reduce(shaped: EmuCluster, tmp_path) 
     assert [(o["node"], o["ifname"]) for o in outs] == [(str(i), c.ifname(i)) for i in range(3)]
 
 
+def test_status_reports_a_dead_node(shaped: EmuCluster) -> None:
+    c = shaped
+    redis_pid, daemon_pid = c.state["pids"]["2"]
+    for pid in (daemon_pid, redis_pid):
+        os.kill(pid, signal.SIGKILL)
+    for p in c._procs:
+        if p.pid in (daemon_pid, redis_pid):
+            p.wait(10)
+    r = subprocess.run([sys.executable, "-m", "bench.emucluster", "status", "--dir", c.dir],
+                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
+                       timeout=60)
+    assert r.returncode == 1  # not every node is healthy
+    nodes = json.loads(r.stdout)
+    assert [(n["redis"], n["cluster_state"]) for n in nodes[:2]] == [(True, "ok")] * 2, json.dumps(nodes)
+    assert (nodes[2]["redis"], nodes[2]["daemon_health"], nodes[2]["ok"]) == (False, None, False)
+    # the surviving daemons' /health is their store's, which covers every master: 503 now
+    assert [n["daemon_health"] for n in nodes[:2]] == [False, False]
+
+
 def test_shaped_down_leaves_nothing(shaped: EmuCluster) -> None:
     c = shaped
     tag, pids, d = c.state["tag"], _all_pids(c), c.dir
