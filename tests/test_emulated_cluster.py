@@ -28,6 +28,7 @@ from bench.emucluster import (
     EmuConfig,
     EmuError,
     fill_daemon_toml,
+    fill_redis_conf,
     why_unavailable,
 )
 from cache_daemon.config import load_config
@@ -129,7 +130,8 @@ def test_daemons_fill_their_share_of_the_dataset(shaped: EmuCluster) -> None:
     on_master = [_scan_count(c, i, f"dc:{fp}:*") for i in range(3)]
     assert sum(on_master) == IMAGES
     # each master holds about its third of the slots' keys (exact counts vary with the fingerprint)
-    assert all(0.15 * IMAGES <= n <= 0.55 * IMAGES for n in on_master), on_master
+    # (binomial(60, 1/3): 20 +- 3.7; these bounds are ~3.5 standard deviations out)
+    assert all(0.10 * IMAGES <= n <= 0.60 * IMAGES for n in on_master), on_master
     # and each daemon ingested exactly the keys its own master serves
     assert [s["datasets"][0]["owned"] for s in sts] == on_master
 
@@ -363,16 +365,24 @@ def test_cleanup_removes_leftovers_of_a_lost_state(tmp_path) -> None:
     c = EmuCluster(EmuConfig(state_dir=str(tmp_path / "state"), rate_gbit=None)).up()
     c.disarm()  # as if the process that ran up had died: only --cleanup can find it now
     tag, pids = c.state["tag"], _all_pids(c)
-    os.remove(os.path.join(c.dir, STATE))
-    other = tmp_path / "empty"
-    r = subprocess.run([sys.executable, "-m", "bench.emucluster", "down", "--cleanup", "--dir", str(other)],
-                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO},
-                       timeout=120)
-    assert r.returncode == 0 and f"{PREFIX}{tag}-n0" in r.stdout, r.stdout + r.stderr
-    for p in c._procs:
-        p.wait(10)  # our children: reaped here, killed by the other process
-    assert _leftovers(tag, pids) == []
-    assert not other.exists()  # --cleanup creates nothing
+    try:
+        os.remove(os.path.join(c.dir, STATE))
+        # host-side links an older crash could have left (none is made there now): a veth of our pattern
+        stray = (f"{IF_PREFIX}{tag}n9", f"{IF_PREFIX}{tag}s9")
+        subprocess.run(["ip", "link", "add", stray[0], "type", "veth", "peer", "name", stray[1]], check=True)
+        other = tmp_path / "empty"
+        r = subprocess.run([sys.executable, "-m", "bench.emucluster", "down", "--cleanup",
+                            "--dir", str(other)], capture_output=True, text=True, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+        assert r.returncode == 0 and f"{PREFIX}{tag}-n0" in r.stdout, r.stdout + r.stderr
+        assert stray[0] in r.stdout and tag not in _ip("-o", "link", "show")
+        for p in c._procs:
+            p.wait(10)  # our children: reaped here, killed by the other process
+        assert _leftovers(tag, pids) == []
+        assert not other.exists()  # --cleanup creates nothing
+    finally:
+        c.down()
+        subprocess.run(["ip", "link", "del", f"{IF_PREFIX}{tag}n9"], capture_output=True)
 
 
 def test_templates_filled_per_node_load_in_the_daemon(tmp_path) -> None:
@@ -386,4 +396,9 @@ def test_templates_filled_per_node_load_in_the_daemon(tmp_path) -> None:
                                                                          "cluster")
     assert [(d.source, d.short_side) for d in cfg.datasets] == [("slowfile:///data", 64)]
     assert cfg.http_host == "127.0.0.1"  # kept from the template
-    assert os.path.exists(REDIS_TEMPLATE)
+    conf = fill_redis_conf(REDIS_TEMPLATE, addr="10.214.1.2", port=7001, workdir="/w", maxmemory="64mb",
+                           admin_pass="a" * 32, user_pass="u" * 32)
+    assert "CHANGE_ME" not in conf and f">{'a' * 32}" in conf and f">{'u' * 32} " in conf
+    tail = conf.rsplit("bench/emucluster.py", 1)[1].splitlines()  # the per-node block comes last: it wins
+    assert {"port 7001", "bind 10.214.1.2", "cluster-announce-ip 10.214.1.2", "maxmemory 64mb",
+            "cluster-config-file nodes-7001.conf", "dir /w"} <= set(tail)
