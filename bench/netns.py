@@ -216,7 +216,8 @@ c.sendall(b"k"); c.close(); print(n, flush=True)
 """
 _CLIENT = """
 import socket, sys, time
-c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); buf = bytes(64 << 20)
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf = bytes(int(sys.argv[3]) if len(sys.argv) > 3 else 64 << 20)
 t = time.perf_counter(); c.sendall(buf); c.shutdown(socket.SHUT_WR); c.recv(1)
 print(len(buf) * 8 / (time.perf_counter() - t) / 1e9)
 """
