@@ -203,7 +203,7 @@ class Daemon:
         if not self._supervise(worker):
             self._force_exit()
         left = self.cfg.drain_timeout - (time.monotonic() - self.stop_at if self.stop.is_set() else 0.0)
-        if not self.pool.close(timeout=max(0.1, left)):  # workers still busy after the drain: forced
+        if not self.pool.close(timeout=max(0.1, left), abort=self.force):  # still busy after the drain
             self._force_exit()
         if self.http is not None:
             self.http.shutdown()

