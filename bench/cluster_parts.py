@@ -219,7 +219,8 @@ def daemon_fill(root: str, url: str, decoder: Any, workers: int, latency_ms: flo
     spec = parse_cache_url(url)
     reader = ReadThrough(man, Variant(short_side=160), spec, t1_dir=None)
     store = spec.tiers[0].open()
-    rep = fill_missing(reader, range(len(man)), workers=workers, decoder=decoder, progress=False, store=store)
+    rep = fill_missing(reader, range(len(man)), workers=workers, decoder=decoder, progress=False, store=store,
+                       store_spec=spec.tiers[0])  # the pool workers write to Redis themselves
     return {"samples": rep.decoded, "seconds": rep.seconds, "samples_per_s": rep.decoded / rep.seconds,
             "mean_file_bytes": float(np.mean(man.sizes)), "bytes_read": rep.bytes_read}
 

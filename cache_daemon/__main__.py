@@ -1,7 +1,8 @@
 """``datacache-daemon`` / ``python -m cache_daemon``: the per-node cache daemon.
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT drain, or ``--once`` done), 2 for a configuration
-error (one line naming the key and the valid values), 1 for anything else.
+error (one line naming the key and the valid values), 3 for a forced stop (the drain did not finish
+within ``drain_timeout``, or a second signal: the decode workers were killed), 1 for anything else.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ examples:
 
 Config keys (TOML, or DATACACHE_DAEMON_<KEY> in the environment): cache, node, redis_node, ownership
 (cluster|hash|all), rank, world_size, workers, decoder (pillow|dali), memory_budget, http_host, http_port,
-poll_interval, t1_dir, t1_max_bytes, and [[datasets]] tables (source, short_side, encoding, revalidate).
+poll_interval, pass_timeout, drain_timeout, t1_dir, t1_max_bytes, and [[datasets]] tables (source,
+short_side, encoding, revalidate).
 """
 
 

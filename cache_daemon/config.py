@@ -12,6 +12,8 @@ Example (``deploy/daemon.toml`` is the documented template)::
     http_host = "127.0.0.1"
     http_port = 8470
     poll_interval = 30.0                         # seconds between fill passes / registry checks
+    pass_timeout = 0                             # a pass running longer fails /health (0 = from the work)
+    drain_timeout = 30.0                         # SIGTERM: drain at most this long, then kill the pool
 
     [[datasets]]
     source = "/mnt/nfs/imagenet/train"
@@ -29,6 +31,7 @@ serves (Redis Cluster); ``hash`` -- ``xxh3_64(key) % world_size == rank`` for a 
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tomllib
@@ -99,6 +102,8 @@ class DaemonConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8470
     poll_interval: float = 30.0
+    pass_timeout: float = 0.0  # seconds a pass may run before /health fails; 0 = derived from the work
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for the drain before it kills the decode pool
     t1_dir: str = "default"
     t1_max_bytes: int = 0
     datasets: tuple[DatasetSpec, ...] = ()
@@ -124,6 +129,12 @@ class DaemonConfig:
         for name in ("workers", "http_port", "memory_budget", "t1_max_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"daemon config: key {name!r} must be >= 0, got {getattr(self, name)}")
+        for name, low in (("pass_timeout", 0.0), ("drain_timeout", 0.1)):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= low):
+                hint = " (0 = derived from the work)" if name == "pass_timeout" else ""
+                raise ConfigError(f"daemon config: key {name!r} must be a finite number of seconds >= "
+                                  f"{low:g}{hint}, got {v}")
         if self.poll_interval <= 0:
             raise ConfigError(f"daemon config: key 'poll_interval' must be > 0 seconds, "
                               f"got {self.poll_interval}")
@@ -137,7 +148,8 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 _KINDS = {"cache": str, "node": str, "redis_node": str, "ownership": str, "rank": int, "world_size": int,
           "workers": int, "decoder": str, "memory_budget": "bytes", "http_host": str, "http_port": int,
-          "poll_interval": float, "t1_dir": str, "t1_max_bytes": "bytes"}
+          "poll_interval": float, "pass_timeout": float, "drain_timeout": float, "t1_dir": str,
+          "t1_max_bytes": "bytes"}
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:

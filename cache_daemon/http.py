@@ -1,7 +1,8 @@
 """The daemon's HTTP endpoints, bound to 127.0.0.1 by default (``http_host`` to expose them).
 
-* ``GET /health`` -- 200 ``{"ok": true, ...}`` while the daemon runs and its store answers; 503
-  with the store's detail when it does not (systemd/Docker health checks, load balancers).
+* ``GET /health`` -- 200 ``{"ok": true, ...}`` while the daemon runs, its store answers and no fill
+  pass is past its deadline; 503 with the store's detail, or the watchdog's reason in ``loop.stuck``
+  (which dataset, since when), when not (systemd/Docker health checks, load balancers).
 * ``GET /status`` -- JSON: node, cache, ownership, and per dataset its status, owned/done
   samples, fill fraction, fill rate (samples/s), quarantined files, and the fill reports of
   every daemon from Redis (``cluster``).
@@ -83,7 +84,9 @@ def make_server(daemon: Any, host: str, port: int) -> ThreadingHTTPServer:
             path = self.path.split("?", 1)[0]
             if path == "/health":
                 h = daemon.store_health()
-                self._json(200 if h["ok"] else 503, {"ok": h["ok"], "node": daemon.cfg.node, "store": h})
+                loop = daemon.loop_status()  # the watchdog: a pass past its deadline fails the check
+                ok = bool(h["ok"]) and not loop["stuck"]
+                self._json(200 if ok else 503, {"ok": ok, "node": daemon.cfg.node, "store": h, "loop": loop})
             elif path == "/status":
                 self._json(200, daemon.status())
             elif path == "/metrics":

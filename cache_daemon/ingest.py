@@ -10,7 +10,8 @@ A pass (:func:`ingest_pass`):
    what it has and the rest is served from the source, so the hit ratio equals the cached
    fraction instead of an LRU's thrashing; checked again after every written chunk;
 4. runs :func:`datacache.warm.fill_missing` over the owned indices that are not cached
-   (resumable, bounded in-flight chunks, SIGTERM drains) writing straight to the Redis tier;
+   (resumable, bounded in-flight chunks, SIGTERM drains) writing straight to the Redis tier, with the
+   daemon's one long-lived decode pool (no process is created when nothing is missing);
 5. reports ``owned``/``done`` to Redis (:mod:`datacache.fillstatus`) about once a second and at the
    end, and keeps the figures for ``/status`` and ``/metrics``.
 
@@ -31,7 +32,9 @@ from typing import Any
 from cache_daemon.config import DaemonConfig, DatasetSpec
 from cache_daemon.decoders import variant_for
 from cache_daemon.ownership import owned_mask
+from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
+from datacache.decodepool import DecodePool, WorkerLost
 from datacache.fillstatus import report_fill
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough, manifest_dir_for
@@ -108,8 +111,13 @@ def node_memory(cfg: DaemonConfig, store: Any) -> tuple[int, int]:
 
 
 def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: Any, stop: threading.Event,
-                progress: bool | None = None) -> WarmReport | None:
-    """One pass over ``state.spec`` (see the module docstring); never raises (errors go to ``state``)."""
+                progress: bool | None = None, pool: DecodePool | None = None,
+                watch: Watchdog | None = None) -> WarmReport | None:
+    """One pass over ``state.spec`` (see the module docstring); never raises (errors go to ``state``).
+
+    ``pool``: the daemon's long-lived decode pool (without one, a pass that has work forks its own);
+    a worker that died mid-pass fails the pass and the pool is discarded (a fresh one next time).
+    ``watch``: told how much the pass owns, so a derived deadline grows with the work."""
     spec = parse_cache_url(cfg.cache)
     try:
         state.status = "listing"
@@ -123,6 +131,8 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         keys = reader.keys(range(len(man)))
         mine = [i for i, m in enumerate(owned_mask(cfg, store, keys)) if m]
         state.owned = len(mine)
+        if watch is not None:
+            watch.work(len(mine))
         halt = _Stop(stop)
         last = [0.0]
         t0 = time.monotonic()
@@ -148,10 +158,12 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         if not halt.budget:
             rep = fill_missing(reader, mine, workers=cfg.workers or None, decoder=decoder,
                                progress=sys.stderr.isatty() if progress is None else progress, stop=halt,
-                               on_chunk=on_chunk, store=store, desc=f"{cfg.node} {variant.tag()}")
+                               on_chunk=on_chunk, store=store, store_spec=spec.tiers[-1], pool=pool,
+                               desc=f"{cfg.node} {variant.tag()}")
             state.write_errors += rep.write_errors
             state.quarantined.update(rep.quarantined)
-        missing = missing_in(reader, store, mine)
+        # nothing was missing when the fill looked: no second round trip (a full dataset's pass is cheap)
+        missing = [] if rep is not None and rep.skipped == len(mine) else missing_in(reader, store, mine)
         used, budget = node_memory(cfg, store)
         refused = rep is not None and rep.write_errors > 0  # Redis answered OOM: the node is at its budget
         halt.budget = halt.budget or bool(budget and missing and (refused or used >= 0.98 * budget))
@@ -169,6 +181,8 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         _report(cfg, state, store, variant.tag())
         return rep
     except Exception as e:  # a pass that fails is reported and retried on the next poll, never fatal
+        if isinstance(e, WorkerLost) and pool is not None:
+            pool.discard()  # its lost chunk would never come back; the next pass forks a fresh pool
         state.status, state.error = "error", f"{type(e).__name__}: {e}"
         log.warning("%s: fill pass failed (%s); retried in %.0f s", state.spec.source, state.error,
                     cfg.poll_interval)

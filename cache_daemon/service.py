@@ -6,25 +6,45 @@ over HTTP). A dataset that is full is re-checked every round, so a master that r
 refilled by its node's daemon on the next round. ``once=True`` (``--once``) returns after the first
 round in which every dataset is full or at its budget (tests, batch warm-ups).
 
-Signals: SIGTERM and SIGINT set the stop event -- the pass in progress stops submitting chunks,
-finishes and writes the chunks in flight (drain), reports, and :meth:`Daemon.run` returns 0.
+Threads: the passes run in a **pass thread**; the main thread only supervises (signals are always
+handled in Python's main thread, which therefore never blocks on a pool, a queue or a store). Every
+pass of every dataset uses the daemon's **one decode pool** (:class:`~datacache.decodepool.DecodePool`),
+forked on the first pass that has something to decode and closed at shutdown; a pass over a full
+dataset starts no process. A :class:`~cache_daemon.watchdog.Watchdog` gives each pass a deadline
+(``pass_timeout``); a pass past it makes ``/health`` answer 503 naming the dataset and since when.
+
+Signals: the first SIGTERM/SIGINT sets the stop event -- the pass in progress stops submitting chunks,
+finishes and writes the chunks in flight (drain), the pool's workers exit, and :meth:`Daemon.run`
+returns 0. When the drain has not finished ``drain_timeout`` seconds after the signal (a stopped or
+wedged worker, a frozen store), or on a second SIGTERM/SIGINT, the decode workers are SIGKILLed and
+the process exits at once with :data:`EXIT_FORCED` (3) -- ``os._exit``, because the interpreter's own
+exit would join the pool's threads and could block again. Chunks not yet acknowledged are decoded
+again by the next run (writes are ``SET NX``: nothing is torn or duplicated).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
 import signal
+import sys
 import threading
+import time
 from typing import Any
 
 from cache_daemon.config import DaemonConfig, DatasetSpec
 from cache_daemon.decoders import make_decoder
 from cache_daemon.ingest import DatasetState, ingest_pass
 from cache_daemon.registry import register, registered
+from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
+from datacache.decodepool import DecodePool
 from datacache.fillstatus import read_fill, summarize
 
 log = logging.getLogger("cache_daemon")
+EXIT_FORCED = 3  # SIGTERM's drain did not finish in drain_timeout (or a second signal): pool killed
 
 
 class Daemon:
@@ -41,6 +61,10 @@ class Daemon:
         self.states: dict[str, DatasetState] = {d.ident(): DatasetState(d) for d in cfg.datasets}
         self.decoder = make_decoder(cfg.decoder)
         self.http: Any = None
+        self.force = threading.Event()  # a second signal: stop without waiting for the drain
+        self.stop_at = 0.0  # monotonic time of the first signal
+        self.pool = DecodePool(cfg.workers or None)  # forked on first use; shared by every pass
+        self.watch = Watchdog(cfg.pass_timeout, self.pool.workers)
 
     # ------------------------------------------------------------ used by the HTTP thread
     def snapshot(self) -> list[dict[str, Any]]:
@@ -59,7 +83,8 @@ class Daemon:
             except Exception as e:
                 d["cluster"] = {"error": f"{type(e).__name__}: {e}"}
         return {"node": self.cfg.node, "cache": self.store.url, "ownership": self.cfg.ownership,
-                "redis_node": self.cfg.redis_node, "decoder": self.cfg.decoder, "datasets": datasets}
+                "redis_node": self.cfg.redis_node, "decoder": self.cfg.decoder, "datasets": datasets,
+                "loop": self.loop_status()}
 
     def register(self, body: Any) -> str:
         """Validate and register a dataset (POST /datasets); raises ValueError with the reason."""
@@ -72,22 +97,38 @@ class Daemon:
         return spec.ident()
 
     # ------------------------------------------------------------ main loop
+    def loop_status(self) -> dict[str, Any]:
+        """Liveness of the pass loop and the decode pool (``/status`` and ``/health`` show it)."""
+        out = self.watch.as_json()
+        out["pool"] = {"created": self.pool.created, "workers": self.pool.workers, "pids": self.pool.pids()}
+        return out
+
     def _handle_signal(self, signum: int, _frame: Any) -> None:
-        log.warning("%s received: draining the chunks in flight, then exiting", signal.Signals(signum).name)
+        # Runs in the main thread (Python's rule), which only supervises: setting events never blocks.
+        name = signal.Signals(signum).name
+        if self.stop.is_set():
+            log.warning("%s received again: stopping now without waiting for the drain", name)
+            self.force.set()
+            return
+        log.warning("%s received: draining the chunks in flight (at most %.0f s), then exiting", name,
+                    self.cfg.drain_timeout)
+        self.stop_at = time.monotonic()
         self.stop.set()
         self.wake.set()
 
-    def run(self, *, once: bool = False) -> int:
-        signal.signal(signal.SIGTERM, self._handle_signal)
-        signal.signal(signal.SIGINT, self._handle_signal)
-        from cache_daemon.http import make_server
+    def _poll_wait(self) -> float | None:
+        """Seconds to wait between rounds. Config validation refuses a non-finite ``poll_interval``;
+        should one get here anyway, NaN waits the default 30 s and +inf waits for a registration or a
+        signal -- never a busy loop, never an exception in the loop."""
+        x = float(self.cfg.poll_interval)
+        if math.isnan(x) or x <= 0:
+            return 30.0
+        return None if math.isinf(x) else x
 
-        self.http = make_server(self, self.cfg.http_host, self.cfg.http_port)
-        where = f" ({self.cfg.redis_node})" if self.cfg.redis_node else ""
-        log.info("daemon %s: cache %s, ownership %s%s, %s decoder", self.cfg.node, self.store.url,
-                 self.cfg.ownership, where, self.cfg.decoder)
-        try:
-            while not self.stop.is_set():
+    def _loop(self, once: bool) -> None:
+        """The pass thread (see the module docstring); returns when stopped or, with ``once``, done."""
+        while not self.stop.is_set():
+            try:
                 for spec in registered(self.store):
                     with self.lock:
                         self.states.setdefault(spec.ident(), DatasetState(spec))
@@ -96,15 +137,78 @@ class Daemon:
                 for state in states:
                     if self.stop.is_set():
                         break
-                    ingest_pass(self.cfg, state, self.store, decoder=self.decoder, stop=self.stop,
-                                progress=self.progress)
+                    self.watch.begin(state.spec.ident())
+                    try:
+                        ingest_pass(self.cfg, state, self.store, decoder=self.decoder, stop=self.stop,
+                                    progress=self.progress, pool=self.pool, watch=self.watch)
+                    finally:
+                        self.watch.end()
+                self.watch.end_round()
                 if once and states and all(s.status in ("full", "budget") for s in states):
-                    break
-                self.wake.wait(self.cfg.poll_interval)
-                self.wake.clear()
-        finally:
-            if self.http is not None:
-                self.http.shutdown()
-            self.store.close()
+                    return
+            except Exception as e:  # the registry could not be read (store down): next round retries
+                log.warning("round failed (%s: %s); retried in %s s", type(e).__name__, e, self._poll_wait())
+            self.wake.wait(self._poll_wait())
+            self.wake.clear()
+
+    def _supervise(self, worker: threading.Thread) -> bool:
+        """Main thread: wait for the pass thread; False when the drain ran out of time (or a 2nd signal)."""
+        while worker.is_alive():
+            if self.force.is_set():
+                return False
+            if self.stop.is_set():
+                left = self.stop_at + self.cfg.drain_timeout - time.monotonic()
+                if left <= 0:
+                    return False
+                worker.join(min(0.1, left))
+            else:
+                worker.join(0.5)
+        return True
+
+    def _force_exit(self) -> None:
+        log.error("daemon %s: drain not finished within %.1f s (or a second signal): killing the decode "
+                  "pool and exiting with code %d; unacknowledged chunks are decoded again by the next run",
+                  self.cfg.node, self.cfg.drain_timeout, EXIT_FORCED)
+        self.pool.kill()
+        for stream in (sys.stderr, sys.stdout):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        # Hazard: not sys.exit -- interpreter shutdown joins the pool's threads and runs its finalizer,
+        # which can block for ever on a queue lock a killed worker held. Nothing is left to flush:
+        # every acknowledged write is in the store already.
+        os._exit(EXIT_FORCED)
+
+    def run(self, *, once: bool = False) -> int:
+        """Serve until SIGTERM/SIGINT (or ``once`` done): 0 after a clean drain, 1 when the pass thread
+        died of a bug; a forced stop never returns (the process exits with :data:`EXIT_FORCED`)."""
+        signal.signal(signal.SIGTERM, self._handle_signal)
+        signal.signal(signal.SIGINT, self._handle_signal)
+        from cache_daemon.http import make_server
+
+        self.http = make_server(self, self.cfg.http_host, self.cfg.http_port)
+        where = f" ({self.cfg.redis_node})" if self.cfg.redis_node else ""
+        log.info("daemon %s: cache %s, ownership %s%s, %s decoder", self.cfg.node, self.store.url,
+                 self.cfg.ownership, where, self.cfg.decoder)
+        crashed: list[BaseException] = []
+
+        def passes() -> None:
+            try:
+                self._loop(once)
+            except BaseException as e:  # a bug: reported by the main thread, which exits 1
+                crashed.append(e)
+                log.exception("the pass loop died")
+
+        worker = threading.Thread(target=passes, name="datacache-daemon-passes", daemon=True)
+        worker.start()
+        if not self._supervise(worker):
+            self._force_exit()
+        left = self.cfg.drain_timeout - (time.monotonic() - self.stop_at if self.stop.is_set() else 0.0)
+        if not self.pool.close(timeout=max(0.1, left), abort=self.force):  # still busy after the drain
+            self._force_exit()
+        if self.http is not None:
+            self.http.shutdown()
+        self.store.close()
+        if crashed:
+            return 1
         log.info("daemon %s stopped cleanly", self.cfg.node)
         return 0

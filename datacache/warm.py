@@ -16,27 +16,29 @@
 4. ``stop`` (a ``threading.Event``, set by the daemon's SIGTERM handler) stops submitting new
    chunks; the chunks in flight are finished and written (**drain**), then it returns.
 
-Process-pool boundary: the pool is started before the parent opens the store or the source, so no
-LMDB environment, Redis connection or reader thread is inherited by a forked worker; workers only
-decode bytes they are sent and never touch the store.
+The pool (:class:`~datacache.decodepool.DecodePool`: signals, bounded shutdown, lost workers) is the
+caller's when it passes one -- the daemon keeps one for its whole life, shared by every pass of every
+dataset -- or the fill's own, forked before the parent opens the store or the source and closed at the
+end (``datacache warm``). A fill with nothing to decode starts no process at all. Workers get what
+they need with each task and never use anything they inherited (see ``_decode_chunk``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import multiprocessing as mp
-import os
+import pickle
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from datacache.cacheurl import parse_cache_url
+from datacache.cacheurl import StoreSpec, parse_cache_url
 from datacache.config import Variant, default_cache_url
-from datacache.fill import Decoder
+from datacache.decodepool import DecodePool
+from datacache.fill import Decoder, fill_one
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough, manifest_dir_for
 
@@ -62,25 +64,29 @@ class WarmReport:
 
 
 # ---------------------------------------------------------------- pool workers
-# Process-pool boundary: these globals live in each pool process. The reader's Source (an fsspec
-# filesystem) is opened here, in the worker; the worker never opens the store.
-_W: dict[str, Any] = {}
+# Process-pool boundary: these globals live in each pool process (the pool may outlive a fill: the
+# daemon's serves every pass of every dataset). A task brings what it needs -- the samples' paths,
+# sizes, labels and keys, and a small context (variant, decoder, where to write) -- and the worker keeps
+# the context's live objects (a DALI pipeline, its own Redis connection) under the context's digest,
+# so they are built once per worker, not once per task. The worker never uses the store it inherited.
+_CTX: dict[bytes, tuple[Variant, Decoder | None, Any]] = {}
+_CTX_MAX = 8  # contexts kept per worker (datasets x variants); the oldest is dropped (its store closed)
+
+Item = tuple[int, str, int, int, bytes]  # (index, relpath, size, label, key)
+Context = tuple[Variant, Any, Any]  # (variant, decoder or None, StoreSpec of a remote store or None)
 
 
-def _init_worker(reader: ReadThrough, decoder: Decoder | None, store: Any) -> None:
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent drains; a worker just dies with the pool
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # Fork boundary: a parent that ran torch ops has a live OpenMP pool that the child inherited
-        # without its threads; the next parallel region in the child (decode's torch shrink) would hang.
-        # One intra-op thread per worker (what DataLoader workers do) never enters that pool.
-        torch.set_num_threads(1)
-    _W["reader"] = reader
-    _W["decoder"] = decoder
-    _W["store"] = store  # a remote store the worker writes to itself (its own connection), or None
+def _context(digest: bytes, ctx: Context) -> tuple[Variant, Decoder | None, Any]:
+    got = _CTX.get(digest)
+    if got is None:
+        variant, decoder, spec = ctx
+        got = (variant, decoder, spec.open() if spec is not None else None)
+        if len(_CTX) >= _CTX_MAX:
+            old = _CTX.pop(next(iter(_CTX)))[2]
+            if old is not None:
+                old.close()
+        _CTX[digest] = got
+    return got
 
 
 Result = tuple[int, bytes | None, str, bool]  # (index, record or None, error reason, remember the failure)
@@ -89,20 +95,21 @@ Result = tuple[int, bytes | None, str, bool]  # (index, record or None, error re
 Chunk = tuple[list[Result], int | None, int]  # results, written by the worker, write errors
 
 
-def _decode_chunk(indices: Sequence[int], datas: list[Any]) -> Chunk:
+def _decode_chunk(digest: bytes, ctx: Context, items: Sequence[Item], datas: list[Any]) -> Chunk:
     """Decode + encode a chunk (in a pool worker) and, for a remote store, write it; the records of
     written samples come back as ``b""`` (decoded, written here)."""
-    reader: ReadThrough = _W["reader"]
-    decoder = _W["decoder"]
+    variant, decoder, store = _context(digest, ctx)
     if hasattr(decoder, "prepare"):  # a batch backend (DALI) decodes the whole chunk at once
-        decoder.prepare(datas, reader.variant)
-    out: list[Result] = [(i, got.record, got.reason, got.remember)
-                         for i, got in zip(indices, reader.fill_many(indices, datas, decoder=decoder))]
-    store = _W["store"]
+        decoder.prepare(datas, variant)
+    out: list[Result] = []
+    for (i, rel, size, label, key), data in zip(items, datas):
+        got = fill_one(data, rel=rel, size=size, label=label, key=key, variant=variant, decoder=decoder)
+        out.append((i, got.record, got.reason, got.remember))
     if store is None:
         return out, None, 0
     errors = store.counters().get("write_errors", 0)
-    written = store.put_many([(reader.key(i), rec) for i, rec, _, _ in out if rec is not None])
+    keys = {i: key for i, _, _, _, key in items}
+    written = store.put_many([(keys[i], rec) for i, rec, _, _ in out if rec is not None])
     errors = store.counters().get("write_errors", 0) - errors
     return [(i, b"" if rec is not None else None, r, m) for i, rec, r, m in out], written, errors
 
@@ -110,23 +117,39 @@ def _decode_chunk(indices: Sequence[int], datas: list[Any]) -> Chunk:
 def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | None = None,
                  decoder: Decoder | None = None, progress: bool = True, stop: threading.Event | None = None,
                  on_chunk: Callable[[WarmReport], None] | None = None, inflight: int | None = None,
-                 store: Any = None, desc: str = "warming") -> WarmReport:
+                 store: Any = None, store_spec: StoreSpec | None = None, pool: DecodePool | None = None,
+                 desc: str = "warming") -> WarmReport:
     """Decode and write every sample of ``indices`` that the cache does not hold (module docstring).
-    ``store`` overrides where records are written (the daemon writes to its Redis tier directly)."""
+
+    ``store`` overrides where records are written (the daemon writes to its Redis tier directly); when it
+    is remote and ``store_spec`` names it, the pool workers write to it over their own connections.
+    ``pool``: a long-lived :class:`~datacache.decodepool.DecodePool` to use (the daemon's); without it
+    the fill forks its own and closes it at the end. Nothing to decode = no process is created.
+    Raises :class:`~datacache.decodepool.WorkerLost` when a worker died mid-fill (its chunk is lost)."""
     from tqdm import tqdm
 
     t0 = time.monotonic()
     rep = WarmReport(total=len(indices))
-    workers = max(1, int(workers or os.cpu_count() or 1))
+    own = pool is None
+    if own:
+        # Process-pool boundary: a fill's own pool is forked *before* the parent opens the store (LMDB)
+        # or the source, so the workers inherit neither (the daemon's long-lived pool: decodepool).
+        pool = DecodePool(workers)
+        pool.get()
+    assert pool is not None
+    workers = pool.workers
     inflight = inflight or 4 * workers
-    # Process-pool boundary: start the pool *before* the parent opens the store (see the docstring).
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
-    remote = store if getattr(store, "remote", False) else None  # workers write to Redis themselves
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(reader, decoder, remote))
+    halt = threading.Event()  # ends this fill's reader threads whatever happens to it
     try:
         store = store if store is not None else reader.store
         todo = missing_in(reader, store, indices)
         rep.skipped = len(indices) - len(todo)
+        if not todo:
+            rep.seconds = time.monotonic() - t0
+            return rep
+        remote = store_spec if getattr(store, "remote", False) else None  # workers write to Redis themselves
+        ctx: Context = (reader.variant, decoder, remote)
+        digest = hashlib.sha256(pickle.dumps(ctx)).digest()  # our own objects (never a cache value)
         log.info("fill %s -> %s: %d samples, %d already cached, %d to decode with %d processes",
                  reader.manifest.root, store.url, rep.total, rep.skipped, len(todo), workers)
         errors_before = store.counters().get("write_errors", 0)
@@ -135,11 +158,15 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
         bytes_before = _bytes_read(reader)
         done: queue.Queue = queue.Queue()
         chunks = [todo[s:s + CHUNK] for s in range(0, len(todo), CHUNK)]
-        feeder = _Feeder(reader, pool, chunks, done, inflight, stop)
+        feeder = _Feeder(reader, pool.get(), chunks, done, inflight, _AnyStop(stop, halt), digest, ctx)
         finished = 0
         with tqdm(total=len(todo), desc=desc, unit="img", disable=not progress) as bar:
             while not (feeder.finished and finished == feeder.submitted):
-                got = done.get()
+                try:
+                    got = done.get(timeout=0.5)
+                except queue.Empty:
+                    pool.check()  # a dead worker took its chunk with it: fail instead of waiting forever
+                    continue
                 if got is _FEED_DONE:
                     continue
                 if isinstance(got, BaseException):
@@ -154,11 +181,26 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
         rep.stopped = feeder.submitted < len(chunks)
         rep.bytes_read = _bytes_read(reader) - bytes_before
         rep.write_errors = store.counters().get("write_errors", 0) - errors_before + rep.worker_write_errors
+    except BaseException:
+        if own:
+            pool.kill()  # interrupted or failed: nothing to drain
+        raise
     finally:
-        pool.terminate()
-        pool.join()
+        halt.set()
+        if own:
+            pool.close(timeout=30.0)  # after a normal end the workers are idle: they exit at once
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+class _AnyStop:
+    """Set when either event is (the caller's stop, or the fill's own end)."""
+
+    def __init__(self, *events: Any) -> None:
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
 
 
 def _bytes_read(reader: ReadThrough) -> int:
@@ -191,8 +233,9 @@ class _Feeder:
     READERS = 2
 
     def __init__(self, reader: ReadThrough, pool: Any, chunks: list[list[int]], done: queue.Queue,
-                 inflight: int, stop: Any) -> None:
+                 inflight: int, stop: Any, digest: bytes, ctx: Context) -> None:
         self.reader, self.pool, self.done, self.stop = reader, pool, done, stop
+        self.digest, self.ctx = digest, ctx
         self.chunks = iter(chunks)
         self.slots = threading.Semaphore(inflight)
         self.lock = threading.Lock()
@@ -220,8 +263,12 @@ class _Feeder:
         try:
             while (chunk := self._next()) is not None:
                 datas = self.reader.read_files(chunk)
+                man = self.reader.manifest
+                items = [(i, man.paths[i], int(man.sizes[i]), int(man.labels[i]), self.reader.key(i))
+                         for i in chunk]
                 with self.lock:
-                    self.pool.apply_async(_decode_chunk, (chunk, datas), callback=self.done.put,
+                    self.pool.apply_async(_decode_chunk, (self.digest, self.ctx, items, datas),
+                                          callback=self.done.put,
                                           error_callback=self.done.put)
                     self.submitted += 1
         except BaseException as e:  # a reader failure ends the fill with that error (in the caller)
@@ -269,7 +316,8 @@ def warm_cache(source: str, cache: str | None = None, *, workers: int = 2, short
     # a lone remote tier is written directly (synchronous, acknowledged writes from the pool workers)
     lone = spec.tiers[0].open() if len(spec.tiers) == 1 else None
     direct = lone if getattr(lone, "remote", False) else None
-    rep = fill_missing(reader, range(len(man)), workers=workers, progress=progress, store=direct)
+    rep = fill_missing(reader, range(len(man)), workers=workers, progress=progress, store=direct,
+                       store_spec=spec.tiers[0] if direct is not None else None)
     flush = getattr(reader.store, "flush", None)
     if flush is not None:
         flush()
