@@ -153,8 +153,10 @@ def test_soak_2000_passes_over_a_full_dataset_then_sigterm(imagefolder_factory, 
     status = get(port, "/status")[1]
     (d,) = status["datasets"]
     # (status is "listing"/"filling" while a pass runs, "full" between passes)
-    assert not d["error"] and d["passes"] >= 2000 and d["owned"] == d["done"] == 6
-    assert status["loop"]["pool"]["created"] == 0 and not seen_children  # a full pass forks nothing
+    assert not d["error"], d
+    assert d["passes"] >= 2000 and d["owned"] == d["done"] == 6, d
+    assert status["loop"]["pool"]["created"] == 0, status["loop"]  # a full pass forks nothing
+    assert not seen_children, (seen_children, open(log).read()[-3000:])
     assert get(port, "/health")[0] == 200
     t1 = time.monotonic()
     p.send_signal(signal.SIGTERM)
