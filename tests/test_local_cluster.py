@@ -111,3 +111,85 @@ def test_up_restarts_a_dead_master(tmp_path) -> None:
         assert "cluster_state:ok" in info
     finally:
         _redis_local("down", "--dir", str(d))
+
+
+def _script_env(tmp_path, **extra: str) -> dict[str, str]:
+    port = free_ports(3)  # PORT..PORT+2 and their bus ports, as the script uses them
+    taken = {port + i + bus for i in range(3) for bus in (0, 10000)}
+    http = free_ports(3)
+    while taken & {http, http + 1, http + 2}:
+        http = free_ports(3)
+    return {**os.environ, "PYTHON": sys.executable, "PORT": str(port), "HTTP_PORT": str(http),
+            "DIR": str(tmp_path / "lc"), "IMAGES": "20", "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+            "HEALTH_WAIT": "90", **extra}
+
+
+def _run(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@needs_redis
+def test_script_up_status_rerun_restart_down(tmp_path) -> None:
+    env = _script_env(tmp_path)
+    lc = tmp_path / "lc"
+    try:
+        out = _run(env, "up")
+        assert out.returncode == 0, out.stderr
+        assert "[local-cluster] up:" in out.stderr and "started node 0 1 2" in out.stderr
+        deadline = time.monotonic() + 90
+        lines: list[str] = []
+        while time.monotonic() < deadline:  # wait for the fill (bounded: proves no hang)
+            st = _run(env, "status", timeout=60)
+            lines = st.stdout.strip().splitlines()
+            if st.returncode == 0 and len(lines) == 3 and all("100.0%" in ln for ln in lines):
+                break
+            time.sleep(1)
+        assert len(lines) == 3, lines  # one line per node
+        for i, ln in enumerate(lines):
+            assert ln.startswith(f"node-{i}") and f"127.0.0.1:{int(env['PORT']) + i} up" in ln, ln
+            assert "daemon" in ln and " ok " in ln and "100.0%" in ln, ln
+        owned = [int(ln.split("cached ")[1].split("/")[1].split()[0]) for ln in lines]
+        assert sum(owned) == 23  # 20 generated + 3 photos matplotlib ships, each owned by one node
+        full = json.loads(_run(env, "status", "--json", timeout=60).stdout)
+        assert [d["node"] for d in full] == ["node-0", "node-1", "node-2"]
+        assert sum(d["status"]["datasets"][0]["owned"] for d in full) == 23
+        ds = [d["status"]["datasets"][0] for d in full]
+        assert all(d["health"]["ok"] for d in full) and all(x["done"] == x["owned"] for x in ds)
+        # everything alive: a re-run says so and starts nothing
+        again = _run(env, "up")
+        assert again.returncode == 0 and "already up" in again.stderr, again.stderr
+        # a dead daemon: the re-run restarts it (and only it)
+        pids = [int((lc / f"daemon-{i}.pid").read_text()) for i in range(3)]
+        os.kill(pids[2], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(pids[2]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = _run(env, "status", timeout=60)
+        assert st.returncode == 1 and "unreachable" in st.stdout.splitlines()[2]
+        again = _run(env, "up")
+        assert again.returncode == 0 and "started node 2" in again.stderr, again.stderr
+        new = [int((lc / f"daemon-{i}.pid").read_text()) for i in range(3)]
+        assert new[:2] == pids[:2] and new[2] != pids[2]
+    finally:
+        down = _run(env, "down", timeout=90)
+    assert down.returncode == 0 and "stopped the local cluster" in down.stdout, down.stderr
+    assert not lc.exists()  # the script created DIR, so down removes it (nothing else was in it)
+
+
+@needs_redis
+def test_script_reports_a_daemon_that_died_at_start(tmp_path) -> None:
+    import socket
+
+    env = _script_env(tmp_path)
+    blocker = socket.socket()  # node-1's HTTP port is taken: that daemon cannot start
+    blocker.bind(("127.0.0.1", int(env["HTTP_PORT"]) + 1))
+    blocker.listen(1)
+    try:
+        out = _run(env, "up")
+        assert out.returncode != 0
+        assert "[local-cluster] up:" not in out.stderr and "already up" not in out.stderr
+        assert "daemon node-1 exited at start" in out.stderr and "not up" in out.stderr, out.stderr
+    finally:
+        blocker.close()
+        down = _run(env, "down", timeout=90)
+    assert down.returncode == 0
