@@ -193,3 +193,16 @@ def test_script_reports_a_daemon_that_died_at_start(tmp_path) -> None:
         blocker.close()
         down = _run(env, "down", timeout=90)
     assert down.returncode == 0
+
+
+def test_up_without_redis_server_says_what_to_install(tmp_path) -> None:
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()  # a PATH with no redis-server / redis-cli on it
+    d = tmp_path / "lc"
+    out = subprocess.run([sys.executable, "-m", "datacache.redis_local", "up", "--dir", str(d),
+                          "--base-port", str(free_ports(3))], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": REPO, "PATH": str(empty_bin)})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == ["cannot start the local cluster: redis-server and redis-cli "
+                                               "not installed (apt-get install redis-server)"]
+    assert not d.exists()  # nothing created either
