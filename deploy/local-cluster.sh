@@ -119,8 +119,10 @@ up() {
   fi
 }
 
+# down and status need only the standard library (redis_local, local_status): any python3 will do, and
+# they must not create or install anything
 down() {
-  PY="${PYTHON:-$(./quickstart.sh python 2>/dev/null)}"
+  PY="${PYTHON:-python3}"
   local i pid
   for i in 0 1 2; do
     if daemon_alive "$i"; then
@@ -135,7 +137,7 @@ down() {
 }
 
 status() {
-  PY="${PYTHON:-$(./quickstart.sh python 2>/dev/null)}"
+  PY="${PYTHON:-python3}"
   "$PY" -m datacache.redis_local status --dir "$DIR" --base-port "$PORT" --http-port "$HTTP_PORT" "$@"
 }
 
