@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from datacache.redis_local import MARKER, free_ports
 from tests.redis_utils import needs_redis
 
@@ -206,3 +208,19 @@ def test_up_without_redis_server_says_what_to_install(tmp_path) -> None:
     assert out.stderr.strip().splitlines() == ["cannot start the local cluster: redis-server and redis-cli "
                                                "not installed (apt-get install redis-server)"]
     assert not d.exists()  # nothing created either
+
+
+def test_script_without_python_uses_quickstarts_interpreter(tmp_path) -> None:
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the test interpreter is not in a virtual environment (quickstart would create .venv)")
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "keep").write_text("x")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(VIRTUAL_ENV=sys.prefix, PORT=str(free_ports(3)), HTTP_PORT=str(free_ports(3)), DIR=str(d))
+    out = subprocess.run([SCRIPT, "up"], env=env, capture_output=True, text=True, timeout=120)
+    # quickstart.sh's rule picked the active venv's interpreter, which had everything (no install),
+    # and that interpreter ran redis_local, which refused the foreign directory
+    assert f"[quickstart] using the active virtual environment: {sys.prefix}/bin/python" in out.stderr
+    assert "installing" not in out.stderr and "not empty" in out.stderr and out.returncode != 0
+    assert os.listdir(d) == ["keep"]
