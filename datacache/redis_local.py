@@ -342,7 +342,7 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
         alive = [_is_redis_server(pid) and _pings(port) for pid, port in zip(rec["pids"], ports, strict=True)]
         if all(alive):
             print(rec["url"])
-            print(f"already up: {rec['url']}", file=sys.stderr)
+            print(f"all {len(ports)} masters already running: {rec['url']}", file=sys.stderr)
             return 0
         # some masters died: start each again on its port with its nodes.conf (it keeps its slots and
         # rejoins; its memory is gone, which its daemon refills)

@@ -77,7 +77,8 @@ def test_up_down_in_its_own_dir_removes_only_what_it_wrote(tmp_path) -> None:
     assert state["ports"] == [port, port + 1, port + 2] and (d / MARKER).exists()
     # a re-run finds it alive: no second cluster, same url
     again = _redis_local("up", "--dir", str(d), "--base-port", str(port))
-    assert again.returncode == 0 and again.stdout.strip() == state["url"] and "already up" in again.stderr
+    assert again.returncode == 0 and again.stdout.strip() == state["url"]
+    assert "already running" in again.stderr
     # a file the user dropped into a node directory survives down (and so does that directory)
     (d / f"node-{port}" / "mine.txt").write_text("mine")
     down = _redis_local("down", "--dir", str(d))
@@ -170,6 +171,7 @@ def test_script_up_status_rerun_restart_down(tmp_path) -> None:
         assert st.returncode == 1 and "unreachable" in st.stdout.splitlines()[2]
         again = _run(env, "up")
         assert again.returncode == 0 and "started node 2" in again.stderr, again.stderr
+        assert "already up" not in again.stderr
         new = [int((lc / f"daemon-{i}.pid").read_text()) for i in range(3)]
         assert new[:2] == pids[:2] and new[2] != pids[2]
     finally:
