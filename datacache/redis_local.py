@@ -280,9 +280,8 @@ def claim_dir(path: str) -> str | None:
     return None
 
 
-def _remove_own(path: str, ports: list[int]) -> None:
-    """Remove only the files `up` wrote (state, node logs and cluster configs, marker); directories only
-    when they are empty afterwards and were ours. Anything else found in ``path`` stays."""
+def _remove_own_nodes(path: str, ports: list[int]) -> None:
+    """The node directories' files `up` wrote (log, cluster config); a directory only once empty."""
     for p in ports:
         node = os.path.join(path, f"node-{p}")
         for name in ("redis.log", "nodes.conf"):
@@ -290,8 +289,15 @@ def _remove_own(path: str, ports: list[int]) -> None:
                 os.remove(os.path.join(node, name))
         with contextlib.suppress(OSError):
             os.rmdir(node)  # only if empty: a file someone put there keeps it
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, STATE))
+
+
+def _remove_own(path: str, ports: list[int]) -> None:
+    """Remove only the files `up` wrote (state, node logs and cluster configs, marker); directories only
+    when they are empty afterwards and were ours. Anything else found in ``path`` stays."""
+    _remove_own_nodes(path, ports)
+    for name in (STATE, STATE + ".tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, name))
     marker = os.path.join(path, MARKER)
     try:
         created = bool(_load(marker).get("created_dir"))
@@ -333,8 +339,8 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
         return 2
     state = os.path.join(path, STATE)
     ports = [base_port + i for i in range(masters)]
-    if os.path.exists(state):
-        rec = _load(state)
+    rec = _load(state) if os.path.exists(state) else {}
+    if rec.get("pids"):
         if rec.get("ports") != ports:
             print(f"{path} holds a local cluster on ports {rec.get('ports')}, not {ports}: run `down` first "
                   "or use another directory", file=sys.stderr)
@@ -360,6 +366,9 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
         cl.wait_ok()
         print(cl.url)
         return 0
+    if rec.get("ports"):  # an earlier `up` failed before its cluster existed: start over on our own files
+        _remove_own_nodes(path, rec["ports"])
+    _write_state(state, "", [], ports)  # the ports first, so `down` finds the node files of a failed start
     cl = start_cluster(path, masters, ports=ports, maxmemory=maxmemory)
     _write_state(state, cl.url, [m.proc.pid for m in cl.masters if m.proc], ports)
     print(cl.url)
@@ -398,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return print_status(path, [args.base_port + i for i in range(args.masters)],
                             [args.http_port + i for i in range(args.masters)], as_json=args.json)
-    return _up(path, args.masters, args.base_port, args.maxmemory)
+    try:
+        return _up(path, args.masters, args.base_port, args.maxmemory)
+    except RuntimeError as e:  # a server that exits at start (port taken, bad option) or a cluster not ok
+        print(f"cannot start the local cluster: {str(e).splitlines()[0]} (the redis.log files under {path} "
+              "say why; `down` cleans up)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

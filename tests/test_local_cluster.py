@@ -226,3 +226,25 @@ def test_script_without_python_uses_quickstarts_interpreter(tmp_path) -> None:
     assert f"[quickstart] using the active virtual environment: {sys.prefix}/bin/python" in out.stderr
     assert "installing" not in out.stderr and "not empty" in out.stderr and out.returncode != 0
     assert os.listdir(d) == ["keep"]
+
+
+@needs_redis
+def test_up_with_a_taken_port_is_one_line_and_down_cleans(tmp_path) -> None:
+    import socket
+
+    port = free_ports(3)
+    blocker = socket.socket()  # the second master's port is taken by someone else
+    blocker.bind(("127.0.0.1", port + 1))
+    blocker.listen(1)
+    d = tmp_path / "lc"
+    try:
+        out = _redis_local("up", "--dir", str(d), "--base-port", str(port))
+    finally:
+        blocker.close()
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and f"port {port + 1}" in out.stderr, out.stderr
+    # the port is free again: a re-run starts over in its own directory
+    again = _redis_local("up", "--dir", str(d), "--base-port", str(port))
+    assert again.returncode == 0 and again.stdout.startswith("redis+cluster://"), again.stderr
+    assert _redis_local("down", "--dir", str(d)).returncode == 0
+    assert not d.exists()
