@@ -6,6 +6,10 @@ built the same way: ``redis-server`` per master with ``cluster-enabled yes`` in 
 then ``redis-cli --cluster create ... --cluster-yes`` and a wait until ``cluster_state:ok``.
 Nothing here is a mock: these are the Debian ``redis-server`` 7 binaries.
 
+``up`` uses only a new or empty directory, or one carrying its marker file from an earlier ``up``
+(a non-empty directory without it is refused, untouched), and ``down`` removes only the files ``up``
+wrote there. ``status`` prints one line per node (:mod:`datacache.local_status`).
+
 Servers run with no persistence (``save ""``, ``appendonly no``): a restarted master comes back
 empty, which is exactly the "node lost its memory" case the fault tests exercise.
 """
