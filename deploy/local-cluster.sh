@@ -12,7 +12,8 @@
 # Redis port, default 7000), DIR (state and logs, default /tmp/datacache-local-cluster; must be new,
 # empty or made by an earlier `up`: nothing else in it is ever touched), IMAGES (size of the generated
 # demo dataset, default 1000), MAXMEMORY (per master, default 1gb), HTTP_PORT (first daemon HTTP port,
-# default 8470), HEALTH_WAIT (seconds to wait for each daemon's /health, default 60).
+# default 8470), HEALTH_WAIT (seconds to wait for each daemon's /health, default 60), DOWN_WAIT (seconds
+# `down` lets a daemon drain after SIGTERM before it kills its process group, default 30).
 # Extra arguments of `demo` go to `datacache demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ IMAGES="${IMAGES:-1000}"
 MAXMEMORY="${MAXMEMORY:-1gb}"
 HTTP_PORT="${HTTP_PORT:-8470}"
 HEALTH_WAIT="${HEALTH_WAIT:-60}"
+DOWN_WAIT="${DOWN_WAIT:-30}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 URL="redis+cluster://127.0.0.1:$PORT,127.0.0.1:$((PORT + 1)),127.0.0.1:$((PORT + 2))"
 cmd="${1:-demo}"; shift || true
@@ -101,7 +103,9 @@ up() {
   for i in 0 1 2; do
     daemon_alive "$i" && continue
     [ -n "${src:-}" ] || src="$(dataset)"
-    "$PY" -m cache_daemon --cache "$URL" --redis-node "127.0.0.1:$((PORT + i))" --node "node-$i" \
+    # setsid: each daemon leads its own process group (with its decode pool), so `down` can kill the
+    # whole group if a drain hangs, and a Ctrl-C in this terminal does not reach it
+    setsid "$PY" -m cache_daemon --cache "$URL" --redis-node "127.0.0.1:$((PORT + i))" --node "node-$i" \
       --dataset "$src" --http-port "$((HTTP_PORT + i))" --poll-interval 5 --no-progress \
       >"$DIR/daemon-$i.log" 2>&1 &
     echo $! >"$DIR/daemon-$i.pid"
@@ -127,8 +131,12 @@ down() {
   for i in 0 1 2; do
     if daemon_alive "$i"; then
       pid="$(cat "$DIR/daemon-$i.pid")"
-      kill -TERM "$pid" 2>/dev/null || true
-      for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.1; done
+      kill -TERM "$pid" 2>/dev/null || true  # SIGTERM drains: chunks in flight are written, then it exits
+      for _ in $(seq $((DOWN_WAIT * 10))); do daemon_alive "$i" || break; sleep 0.1; done
+      if daemon_alive "$i"; then
+        say "daemon node-$i did not exit within ${DOWN_WAIT} s of SIGTERM: killing its process group"
+        kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+      fi
     fi
     # only the files up wrote, and only in a DIR that up claimed (it holds redis_local's marker)
     if [ -f "$DIR/.datacache-local-cluster" ]; then rm -f "$DIR/daemon-$i.pid" "$DIR/daemon-$i.log"; fi

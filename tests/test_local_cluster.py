@@ -174,10 +174,35 @@ def test_script_up_status_rerun_restart_down(tmp_path) -> None:
         assert "already up" not in again.stderr
         new = [int((lc / f"daemon-{i}.pid").read_text()) for i in range(3)]
         assert new[:2] == pids[:2] and new[2] != pids[2]
+        # a daemon that does not drain on SIGTERM (stopped here) is killed with its process group by down
+        os.kill(new[0], signal.SIGSTOP)
     finally:
-        down = _run(env, "down", timeout=90)
+        down = _run({**env, "DOWN_WAIT": "3"}, "down", timeout=120)
     assert down.returncode == 0 and "stopped the local cluster" in down.stdout, down.stderr
+    assert "daemon node-0 did not exit within 3 s of SIGTERM: killing its process group" in down.stderr
     assert not lc.exists()  # the script created DIR, so down removes it (nothing else was in it)
+    assert _daemons_of(env) == []  # no daemon and no decode-pool child left behind
+
+
+def _daemons_of(env: dict[str, str]) -> list[int]:
+    """Live processes whose command line names one of this cluster's daemon HTTP ports."""
+    ports = {f"--http-port\0{int(env['HTTP_PORT']) + i}\0".encode() for i in range(3)}
+    found = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if any(p in cmd for p in ports) and _alive(int(pid)):
+                found.append(int(pid))
+        if not found:
+            break
+        time.sleep(0.2)  # killed children may take a moment to be reaped
+    return found
 
 
 @needs_redis
