@@ -136,16 +136,15 @@ class CopyRecordsCollate:
 
 
 def ensure_dataset(n_images: int, classes: int = 20) -> str:
+    """The benchmark's generated ImageFolder, made once and published atomically (concurrent runs are
+    safe: each builds in its own temp dir, the first rename wins, see :func:`synth.publish_dir`)."""
     per_class = max(1, n_images // classes)
-    root = os.path.join(user_cache_dir(), "datacache", "bench", f"loader-{classes}x{per_class}-500x375")
-    marker = root + ".complete"  # beside the tree: a file in the root counts as a stray file
-    if not os.path.exists(marker):
-        if os.path.isdir(root):
-            shutil.rmtree(root)
+    root = os.path.join(user_cache_dir(), "datacache", "bench", "published",
+                        f"loader-{classes}x{per_class}-500x375")
+    if not os.path.isdir(root):
         print(f"generating {classes * per_class} JPEGs (500x375 q90) + shipped photos in {root}")
-        synth.make_imagefolder(root, classes=classes, per_class=per_class, size=(500, 375), quality=90,
-                               include_real_photos=True, progress=True)
-        open(marker, "w").close()
+        synth.ensure_imagefolder(root, classes=classes, per_class=per_class, size=(500, 375), quality=90,
+                                 include_real_photos=True, progress=True)
     return root
 
 

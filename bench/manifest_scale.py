@@ -41,22 +41,22 @@ MEAN_JPEG_BYTES = 110_000
 
 
 def make_sparse_tree(root: str, classes: int, per_class: int) -> None:
-    """``root/n%08d/n%08d_%d.JPEG`` sparse files (no data blocks), made once (a marker says complete)."""
-    marker = root + f".complete-{classes}x{per_class}"
-    if os.path.exists(marker):
-        return
+    """``root/n%08d/n%08d_%d.JPEG`` sparse files (no data blocks), made once and published atomically
+    (built in a temp dir beside ``root`` and renamed, see :func:`datacache.synth.publish_dir`)."""
     from tqdm import tqdm
 
-    shutil.rmtree(root, ignore_errors=True)
-    for c in tqdm(range(classes), desc="sparse tree", unit="class"):
-        d = os.path.join(root, f"n{c:08d}")
-        os.makedirs(d)
-        for i in range(per_class):
-            fd = os.open(os.path.join(d, f"n{c:08d}_{i}.JPEG"), os.O_CREAT | os.O_WRONLY, 0o644)
-            os.ftruncate(fd, MEAN_JPEG_BYTES + (i * 7919) % 40_000)
-            os.close(fd)
-    with open(marker, "w") as f:
-        f.write("ok\n")
+    from datacache.synth import publish_dir
+
+    def build(tmp: str) -> None:
+        for c in tqdm(range(classes), desc="sparse tree", unit="class"):
+            d = os.path.join(tmp, f"n{c:08d}")
+            os.makedirs(d)
+            for i in range(per_class):
+                fd = os.open(os.path.join(d, f"n{c:08d}_{i}.JPEG"), os.O_CREAT | os.O_WRONLY, 0o644)
+                os.ftruncate(fd, MEAN_JPEG_BYTES + (i * 7919) % 40_000)
+                os.close(fd)
+
+    publish_dir(root, build)
 
 
 def _rss() -> int:
@@ -163,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.classes, args.per_class = 20, 50
     machine = print_machine(machine_info())
-    root = os.path.join(args.root, f"{args.classes}x{args.per_class}")
+    # "sparse-" names: trees published by rename (a tree left by the old marker scheme is not reused)
+    root = os.path.join(args.root, f"sparse-{args.classes}x{args.per_class}")
     make_sparse_tree(root, args.classes, args.per_class)
-    tiny = os.path.join(args.root, "tiny")
+    tiny = os.path.join(args.root, "sparse-tiny")
     make_sparse_tree(tiny, 2, 5)
     bench_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory(prefix="manifest-scale-") as work:

@@ -6,6 +6,10 @@ built the same way: ``redis-server`` per master with ``cluster-enabled yes`` in 
 then ``redis-cli --cluster create ... --cluster-yes`` and a wait until ``cluster_state:ok``.
 Nothing here is a mock: these are the Debian ``redis-server`` 7 binaries.
 
+``up`` uses only a new or empty directory, or one carrying its marker file from an earlier ``up``
+(a non-empty directory without it is refused, untouched), and ``down`` removes only the files ``up``
+wrote there. ``status`` prints one line per node (:mod:`datacache.local_status`).
+
 Servers run with no persistence (``save ""``, ``appendonly no``): a restarted master comes back
 empty, which is exactly the "node lost its memory" case the fault tests exercise.
 """
@@ -231,46 +235,188 @@ def start_cluster(workdir: str, n: int = 3, *, ports: list[int] | None = None, *
     return cl
 
 
+MARKER = ".datacache-local-cluster"  # written by `up` into DIR: proof that DIR is ours to clean
+STATE = "cluster.json"
+
+
 def _load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def _is_redis_server(pid: int) -> bool:
+    """Whether ``pid`` is alive and a redis-server (a recorded pid may since belong to another process)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"redis-server" in f.read()
+    except OSError:
+        return False
+
+
+def _pings(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    return False
+
+
+def claim_dir(path: str) -> str | None:
+    """Make ``path`` the cluster's directory, or say why not (one line).
+
+    A directory is used only when it is new, empty, or carries :data:`MARKER` from an earlier `up`: the
+    tool never writes into (let alone cleans) a directory holding someone else's files. The marker
+    records whether `up` created the directory, so `down` removes the directory itself only then."""
+    marker = os.path.join(path, MARKER)
+    if os.path.exists(marker):
+        return None
+    if os.path.isdir(path):
+        if os.listdir(path):
+            return (f"{path} is not empty and was not created by the local cluster (no {MARKER} in it); "
+                    f"refusing to use it: set DIR / --dir to a new or empty directory")
+        created = False
+    elif os.path.exists(path):
+        return f"{path} exists and is not a directory: set DIR / --dir to a new or empty directory"
+    else:
+        os.makedirs(path)
+        created = True
+    with open(marker, "w") as f:
+        json.dump({"created_dir": created}, f)
+    return None
+
+
+def _remove_own_nodes(path: str, ports: list[int]) -> None:
+    """The node directories' files `up` wrote (log, cluster config); a directory only once empty."""
+    for p in ports:
+        node = os.path.join(path, f"node-{p}")
+        for name in ("redis.log", "nodes.conf"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(node, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(node)  # only if empty: a file someone put there keeps it
+
+
+def _remove_own(path: str, ports: list[int]) -> None:
+    """Remove only the files `up` wrote (state, node logs and cluster configs, marker); directories only
+    when they are empty afterwards and were ours. Anything else found in ``path`` stays."""
+    _remove_own_nodes(path, ports)
+    for name in (STATE, STATE + ".tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, name))
+    marker = os.path.join(path, MARKER)
+    try:
+        created = bool(_load(marker).get("created_dir"))
+    except (OSError, ValueError, AttributeError):
+        created = False
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(marker)
+    if created:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+def _down(path: str) -> int:
+    state = os.path.join(path, STATE)
+    if not os.path.exists(os.path.join(path, MARKER)):
+        print(f"no local cluster in {path} (no {MARKER}); nothing stopped or removed")
+        return 0
+    rec = _load(state) if os.path.exists(state) else {"pids": [], "ports": []}
+    pids = [p for p in rec.get("pids", []) if _is_redis_server(p)]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while any(_is_redis_server(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # wait for the exit, so the node files can go and the ports are free again
+    _remove_own(path, rec.get("ports", []))
+    print("stopped the local cluster")
+    return 0
+
+
+def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
+    missing = redis_available()
+    if missing:
+        print(f"cannot start the local cluster: {missing}", file=sys.stderr)
+        return 1
+    why = claim_dir(path)
+    if why:
+        print(why, file=sys.stderr)
+        return 2
+    state = os.path.join(path, STATE)
+    ports = [base_port + i for i in range(masters)]
+    rec = _load(state) if os.path.exists(state) else {}
+    if rec.get("pids"):
+        if rec.get("ports") != ports:
+            print(f"{path} holds a local cluster on ports {rec.get('ports')}, not {ports}: run `down` first "
+                  "or use another directory", file=sys.stderr)
+            return 1
+        alive = [_is_redis_server(pid) and _pings(port) for pid, port in zip(rec["pids"], ports, strict=True)]
+        if all(alive):
+            print(rec["url"])
+            print(f"all {len(ports)} masters already running: {rec['url']}", file=sys.stderr)
+            return 0
+        # some masters died: start each again on its port with its nodes.conf (it keeps its slots and
+        # rejoins; its memory is gone, which its daemon refills)
+        cl = LocalCluster(workdir=path)
+        pids = list(rec["pids"])
+        for i, port in enumerate(ports):
+            srv = RedisServer(port, os.path.join(path, f"node-{port}"),
+                              server_args(port, cluster=True, maxmemory=maxmemory))
+            if not alive[i]:
+                srv.start()
+                pids[i] = srv.proc.pid if srv.proc else 0
+                print(f"restarted the redis-server on 127.0.0.1:{port}", file=sys.stderr)
+            cl.masters.append(srv)
+        _write_state(state, cl.url, pids, ports)
+        cl.wait_ok()
+        print(cl.url)
+        return 0
+    if rec.get("ports"):  # an earlier `up` failed before its cluster existed: start over on our own files
+        _remove_own_nodes(path, rec["ports"])
+    _write_state(state, "", [], ports)  # the ports first, so `down` finds the node files of a failed start
+    cl = start_cluster(path, masters, ports=ports, maxmemory=maxmemory)
+    _write_state(state, cl.url, [m.proc.pid for m in cl.masters if m.proc], ports)
+    print(cl.url)
+    return 0
+
+
+def _write_state(state: str, url: str, pids: list[int], ports: list[int]) -> None:
+    tmp = state + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"url": url, "pids": pids, "ports": ports}, f)
+    os.replace(tmp, state)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m datacache.redis_local up|down``: a local N-master cluster for the README demo."""
     ap = argparse.ArgumentParser(prog="python -m datacache.redis_local",
                                  description="Start (up) or stop (down) a local Redis Cluster of real "
-                                             "redis-server processes on 127.0.0.1 (no persistence).")
-    ap.add_argument("action", choices=("up", "down"))
+                                             "redis-server processes on 127.0.0.1 (no persistence). `up` "
+                                             "uses only a new or empty directory (or its own from an "
+                                             "earlier `up`); `down` removes only the files `up` wrote.")
+    ap.add_argument("action", choices=("up", "down", "status"))
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "datacache-local-cluster"),
                     help="working directory (state file, logs, nodes.conf)")
     ap.add_argument("--masters", type=int, default=3)
     ap.add_argument("--base-port", type=int, default=7000, help="masters on base-port .. base-port+N-1")
     ap.add_argument("--maxmemory", default="1gb", help="memory budget per master (default 1gb)")
+    ap.add_argument("--http-port", type=int, default=8470,
+                    help="status: the first cache daemon's HTTP port (one daemon per master)")
+    ap.add_argument("--json", action="store_true", help="status: the daemons' full /status JSON")
     args = ap.parse_args(argv)
-    state = os.path.join(args.dir, "cluster.json")
+    path = os.path.abspath(args.dir)
     if args.action == "down":
-        if not os.path.exists(state):
-            print(f"no local cluster recorded in {state}")
-            return 0
-        for pid in _load(state)["pids"]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        os.remove(state)
-        print("stopped the local cluster")
-        return 0
-    if os.path.exists(state):
-        print(f"a local cluster is already recorded in {state}: {_load(state)['url']} "
-              "(run `down` first)", file=sys.stderr)
+        return _down(path)
+    if args.action == "status":
+        from datacache.local_status import print_status
+
+        return print_status(path, [args.base_port + i for i in range(args.masters)],
+                            [args.http_port + i for i in range(args.masters)], as_json=args.json)
+    try:
+        return _up(path, args.masters, args.base_port, args.maxmemory)
+    except RuntimeError as e:  # a server that exits at start (port taken, bad option) or a cluster not ok
+        print(f"cannot start the local cluster: {str(e).splitlines()[0]} (the redis.log files under {path} "
+              "say why; `down` cleans up)", file=sys.stderr)
         return 1
-    shutil.rmtree(args.dir, ignore_errors=True)
-    ports = [args.base_port + i for i in range(args.masters)]
-    cl = start_cluster(args.dir, args.masters, ports=ports, maxmemory=args.maxmemory)
-    os.makedirs(args.dir, exist_ok=True)
-    with open(state, "w") as f:
-        json.dump({"url": cl.url, "pids": [m.proc.pid for m in cl.masters if m.proc]}, f)
-    print(cl.url)
-    return 0
 
 
 if __name__ == "__main__":

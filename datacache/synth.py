@@ -9,6 +9,10 @@ is drawn from ``numpy.random.default_rng((seed, class, index))``: same seed, sam
 Noise is generated at uint8 on the full image but everything else at low resolution,
 so ~2,000 images take well under a minute on one core.
 
+:func:`ensure_imagefolder` publishes a generated tree atomically for callers that share it (the demo,
+the benchmarks): it is built in a private temp directory beside its final path and renamed into place,
+so a concurrent run sees either nothing or the complete tree, never a half-written one.
+
 ``include_real_photos=True`` also copies the sample photos shipped by installed packages
 (scikit-image's ``data`` folder when installed, matplotlib's ``mpl-data/sample_data``, e.g.
 ``grace_hopper.jpg``), round-robin into the class folders, as ``real_<name>``.
@@ -18,10 +22,12 @@ so ~2,000 images take well under a minute on one core.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -103,6 +109,41 @@ def make_imagefolder(root: str, *, classes: int = 10, per_class: int = 20, size:
             shutil.copyfile(src, os.path.join(root, rel))
             written.append(rel)
     return written
+
+
+def publish_dir(root: str, build: Callable[[str], object]) -> bool:
+    """Make ``root`` exist with what ``build(tmp)`` writes, atomically; False when it already existed.
+
+    ``build`` writes into a fresh directory ``<root>.tmp-<pid>-<random>`` beside ``root`` (same file
+    system), which is then renamed to ``root`` in one step. When another process published ``root``
+    first, its tree is kept and only this process's temp directory is removed; an interrupted build
+    leaves only its own temp directory, never a partial ``root``. Nothing but that temp directory is
+    ever deleted here."""
+    if os.path.isdir(root):
+        return False
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{os.path.abspath(root)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.mkdir(tmp)
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, root)  # atomic; fails when root appeared meanwhile (a non-empty directory)
+        except OSError:
+            if not os.path.isdir(root):
+                raise
+            return False  # lost the race: the winner's tree is complete, use it
+        return True
+    finally:
+        if os.path.isdir(tmp):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp)  # our own temp dir only (lost race or failed build)
+
+
+def ensure_imagefolder(root: str, *, progress: bool = False, **kw: object) -> bool:
+    """Generate :func:`make_imagefolder`'s tree at ``root`` once, published atomically (see
+    :func:`publish_dir`); True when this call generated it, False when it was there already."""
+    return publish_dir(root, lambda tmp: make_imagefolder(tmp, progress=progress, **kw))  # type: ignore[arg-type]
 
 
 def _jpeg_bytes(img: Image.Image, **kw: object) -> bytes:

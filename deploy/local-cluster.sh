@@ -2,72 +2,163 @@
 # A local 3-node datacache cluster in one command: 3 Redis Cluster masters (real redis-server processes
 # on 127.0.0.1:PORT..PORT+2, no persistence), one cache daemon per master, and `datacache demo` against it.
 #
-#   deploy/local-cluster.sh            # = demo: start everything (if not running), run the demo, leave it up
-#   deploy/local-cluster.sh up         # start the cluster and the 3 daemons only
-#   deploy/local-cluster.sh status     # the daemons' /status (fill per node)
-#   deploy/local-cluster.sh down       # stop the daemons and the cluster
+#   deploy/local-cluster.sh            # = demo: start what is not running, run the demo, leave it up
+#   deploy/local-cluster.sh up         # start the cluster and the 3 daemons only (restarts what died)
+#   deploy/local-cluster.sh status     # one line per node (redis, daemon health, fill); --json: full JSON
+#   deploy/local-cluster.sh down       # stop the daemons and the cluster, remove the files it wrote
 #
-# Environment: PYTHON (interpreter with datacache installed: ./quickstart.sh demo installs it; default
-# python3), PORT (first Redis port, default 7000), DIR (state and logs, default
-# /tmp/datacache-local-cluster), IMAGES (size of the generated demo dataset, default 1000),
-# MAXMEMORY (per master, default 1gb), HTTP_PORT (first daemon HTTP port, default 8470).
+# Environment: PYTHON (interpreter; default: the one `./quickstart.sh python` picks, i.e. the active
+# venv or the project's .venv; the [daemon] extra is pip-installed into it when missing), PORT (first
+# Redis port, default 7000), DIR (state and logs, default /tmp/datacache-local-cluster; must be new,
+# empty or made by an earlier `up`: nothing else in it is ever touched), IMAGES (size of the generated
+# demo dataset, default 1000), MAXMEMORY (per master, default 1gb), HTTP_PORT (first daemon HTTP port,
+# default 8470), HEALTH_WAIT (seconds to wait for each daemon's /health, default 60), DOWN_WAIT (seconds
+# `down` lets a daemon drain after SIGTERM before it kills its process group, default 30).
 # Extra arguments of `demo` go to `datacache demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
 PORT="${PORT:-7000}"
 DIR="${DIR:-/tmp/datacache-local-cluster}"
 IMAGES="${IMAGES:-1000}"
 MAXMEMORY="${MAXMEMORY:-1gb}"
 HTTP_PORT="${HTTP_PORT:-8470}"
+HEALTH_WAIT="${HEALTH_WAIT:-60}"
+DOWN_WAIT="${DOWN_WAIT:-30}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 URL="redis+cluster://127.0.0.1:$PORT,127.0.0.1:$((PORT + 1)),127.0.0.1:$((PORT + 2))"
 cmd="${1:-demo}"; shift || true
+
+say() { echo "[local-cluster] $*" >&2; }
+die() { say "$*"; exit 1; }
+
+pick_python() {
+  # the interpreter ./quickstart.sh uses (same rules: active venv, else the project's .venv);
+  # PYTHON=... overrides it
+  if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"; else PY="$(./quickstart.sh python)"; fi
+}
+
+ensure_deps() {
+  if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    say "installing torch==2.13.0 (CPU wheel) into $PY"  # as ./quickstart.sh: never a CUDA torch
+    "$PY" -m pip install -q torch==2.13.0
+  fi
+  if ! "$PY" -c "import datacache, PIL, redis, prometheus_client" >/dev/null 2>&1; then
+    say "installing datacache with the [daemon] extra (redis, prometheus_client) into $PY"
+    "$PY" -m pip install -q -e ".[daemon]"
+  fi
+  if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      say "installing redis-server (apt-get)"
+      apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+      die "redis-server / redis-cli not found: run 'sudo apt-get install redis-server' (or put them on PATH), then retry"
+    fi
+  fi
+}
 
 dataset() {
   "$PY" -c "from datacache.demo import DemoConfig, ensure_dataset; print(ensure_dataset(DemoConfig(images=$IMAGES, progress=False)))" | tail -1
 }
 
+# a daemon counts as running when its recorded pid is alive and is a cache_daemon (not a reused pid)
+daemon_alive() {
+  local f="$DIR/daemon-$1.pid" pid
+  [ -f "$f" ] || return 1
+  pid="$(cat "$f")"
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "cache_daemon"
+}
+
+daemon_healthy() {
+  "$PY" -c "import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$((HTTP_PORT + $1))/health', timeout=2).status == 200 else 1)
+except Exception:
+    sys.exit(1)"
+}
+
+# wait for daemon $1's /health; if it exits or never answers, show its log tail and fail
+wait_daemon() {
+  local i="$1" deadline=$((SECONDS + HEALTH_WAIT))
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    if ! daemon_alive "$i"; then
+      say "daemon node-$i exited at start; the end of $DIR/daemon-$i.log:"
+      tail -n 20 "$DIR/daemon-$i.log" >&2 || true
+      rm -f "$DIR/daemon-$i.pid"
+      return 1
+    fi
+    if daemon_healthy "$i"; then return 0; fi
+    sleep 0.5
+  done
+  say "daemon node-$i did not answer http://127.0.0.1:$((HTTP_PORT + i))/health within ${HEALTH_WAIT} s; the end of $DIR/daemon-$i.log:"
+  tail -n 20 "$DIR/daemon-$i.log" >&2 || true
+  return 1
+}
+
 up() {
-  if [ -f "$DIR/cluster.json" ]; then echo "[local-cluster] already up: $URL" >&2; return; fi
-  mkdir -p "$DIR"
+  pick_python
+  ensure_deps
+  # redis_local refuses a DIR it did not create (non-empty without its marker) and restarts dead masters
   "$PY" -m datacache.redis_local up --dir "$DIR" --base-port "$PORT" --maxmemory "$MAXMEMORY" >/dev/null
-  local src; src="$(dataset)"
+  local src started=() i
   for i in 0 1 2; do
-    "$PY" -m cache_daemon --cache "$URL" --redis-node "127.0.0.1:$((PORT + i))" --node "node-$i" \
+    daemon_alive "$i" && continue
+    [ -n "${src:-}" ] || src="$(dataset)"
+    # setsid: each daemon leads its own process group (with its decode pool), so `down` can kill the
+    # whole group if a drain hangs, and a Ctrl-C in this terminal does not reach it
+    setsid "$PY" -m cache_daemon --cache "$URL" --redis-node "127.0.0.1:$((PORT + i))" --node "node-$i" \
       --dataset "$src" --http-port "$((HTTP_PORT + i))" --poll-interval 5 --no-progress \
       >"$DIR/daemon-$i.log" 2>&1 &
     echo $! >"$DIR/daemon-$i.pid"
+    started+=("$i")
   done
-  echo "[local-cluster] up: $URL; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2)) (logs in $DIR)" >&2
+  local failed=0
+  for i in 0 1 2; do
+    wait_daemon "$i" || failed=1
+  done
+  [ "$failed" = 0 ] || die "not up: a cache daemon failed (see above); 'deploy/local-cluster.sh down' stops the rest"
+  if [ "${#started[@]}" = 0 ]; then
+    say "already up: $URL; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2))"
+  else
+    say "up: $URL; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2)) (started node ${started[*]}; logs in $DIR)"
+  fi
 }
 
+# down and status need only the standard library (redis_local, local_status): any python3 will do, and
+# they must not create or install anything
 down() {
+  PY="${PYTHON:-python3}"
+  local i pid
   for i in 0 1 2; do
-    if [ -f "$DIR/daemon-$i.pid" ]; then
-      kill -TERM "$(cat "$DIR/daemon-$i.pid")" 2>/dev/null || true
-      rm -f "$DIR/daemon-$i.pid"
+    if daemon_alive "$i"; then
+      pid="$(cat "$DIR/daemon-$i.pid")"
+      kill -TERM "$pid" 2>/dev/null || true  # SIGTERM drains: chunks in flight are written, then it exits
+      for _ in $(seq $((DOWN_WAIT * 10))); do daemon_alive "$i" || break; sleep 0.1; done
+      if daemon_alive "$i"; then
+        say "daemon node-$i did not exit within ${DOWN_WAIT} s of SIGTERM: killing its process group"
+        kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+      fi
     fi
+    # only the files up wrote, and only in a DIR that up claimed (it holds redis_local's marker)
+    if [ -f "$DIR/.datacache-local-cluster" ]; then rm -f "$DIR/daemon-$i.pid" "$DIR/daemon-$i.log"; fi
   done
   "$PY" -m datacache.redis_local down --dir "$DIR"
 }
 
 status() {
-  for i in 0 1 2; do
-    "$PY" -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$((HTTP_PORT + i))/status', timeout=5).read().decode())" || true
-  done
+  PY="${PYTHON:-python3}"
+  "$PY" -m datacache.redis_local status --dir "$DIR" --base-port "$PORT" --http-port "$HTTP_PORT" "$@"
 }
 
 case "$cmd" in
   up) up ;;
   down) down ;;
-  status) status ;;
+  status) status "$@" ;;
   demo)
     up
     src="$(dataset)"
-    echo "[local-cluster] datacache demo --source $src --cache $URL $*" >&2
+    say "datacache demo --source $src --cache $URL $*"
     "$PY" -m datacache.cli demo --source "$src" --cache "$URL" "$@"
-    echo "[local-cluster] still running; 'deploy/local-cluster.sh status' shows the fill per node, 'down' stops it" >&2
+    say "still running; 'deploy/local-cluster.sh status' shows the fill per node, 'down' stops it"
     ;;
-  *) echo "usage: deploy/local-cluster.sh [demo|up|status|down]" >&2; exit 2 ;;
+  *) echo "usage: deploy/local-cluster.sh [demo|up|status [--json]|down]" >&2; exit 2 ;;
 esac
