@@ -126,7 +126,7 @@ up() {
 # down and status need only the standard library (redis_local, local_status): any python3 will do, and
 # they must not create or install anything
 down() {
-  PY="${PYTHON:-python3}"
+  PY="${PYTHON:-python3}"  # stdlib-only: redis_local/local_status import nothing else (tested)
   local i pid
   for i in 0 1 2; do
     if daemon_alive "$i"; then
@@ -145,7 +145,7 @@ down() {
 }
 
 status() {
-  PY="${PYTHON:-python3}"
+  PY="${PYTHON:-python3}"  # stdlib-only: redis_local/local_status import nothing else (tested)
   "$PY" -m datacache.redis_local status --dir "$DIR" --base-port "$PORT" --http-port "$HTTP_PORT" "$@"
 }
 

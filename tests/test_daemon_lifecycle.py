@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -156,7 +157,7 @@ def test_soak_2000_passes_over_a_full_dataset_then_sigterm(imagefolder_factory, 
     assert not d["error"], d
     assert d["passes"] >= 2000 and d["owned"] == d["done"] == 6, d
     assert status["loop"]["pool"]["created"] == 0, status["loop"]  # a full pass forks nothing
-    assert not seen_children, (seen_children, open(log).read()[-3000:])
+    assert not seen_children, (seen_children, Path(log).read_text()[-3000:])
     assert get(port, "/health")[0] == 200
     t1 = time.monotonic()
     p.send_signal(signal.SIGTERM)

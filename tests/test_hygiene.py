@@ -59,6 +59,8 @@ def test_shell_scripts_use_the_project_interpreter() -> None:
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             code = re.sub(r'"[^"]*"|\'[^\']*\'', '""', line.split("#", 1)[0])  # not inside strings
             default = re.search(r":-python3?}", line)  # PY="${PYTHON:-python3}": whatever python3 is
+            if "# stdlib-only" in line:  # a stdlib-only module: any python3 runs it (checked below)
+                continue
             if (default or re.search(r'(^|[\s;&|(`])python3?(\s|$)', code)) and "BASE_PY" not in code:
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not found, f"shell scripts must use the project interpreter: {found}"
@@ -86,3 +88,15 @@ print(type(fs).__module__)
     imported, module = out.stdout.splitlines()
     assert imported == "", f"dev-only modules imported by production code: {imported}"
     assert module == "datacache.slowfs"
+
+
+def test_stdlib_only_modules_run_on_a_bare_python3() -> None:
+    """What local-cluster.sh runs with any python3 (``# stdlib-only``) imports only the standard library:
+    run it with ``-S`` (no site-packages at all)."""
+    import subprocess
+    import sys
+
+    code = "import datacache.redis_local, datacache.local_status; print('ok')"
+    boot = f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+    out = subprocess.run([sys.executable, "-S", "-c", boot + code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
