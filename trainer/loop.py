@@ -110,7 +110,8 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     skipped_before = ctx.state.skipped_steps
     step = start_step
-    bar = tqdm(total=steps_in_epoch, initial=start_step, desc=f"epoch {epoch}", unit="step",
+    # epochs are shown 1-based everywhere (this bar, the epoch line); `epoch` is the 0-based index
+    bar = tqdm(total=steps_in_epoch, initial=start_step, desc=f"epoch {epoch + 1}", unit="step",
                disable=not progress, leave=False, dynamic_ncols=True)
     t0 = time.perf_counter()
     for x, y in pre:
