@@ -24,8 +24,8 @@ def _env() -> dict[str, str]:
 def test_progress_bar_and_epoch_line_count_epochs_alike(digits_data: dict, tmp_path) -> None:
     cmd = [sys.executable, "-m", "trainer", "--recipe", "digits", "--data", digits_data["train"], "--cache",
            digits_data["cache"], "--device", "cpu", "--threads", "1", "--epochs", "2",
-           "--steps-per-epoch", "2", "--batch-size", "32", "--width", "4", "--resolution", "16", "--val-every", "0", "--workers", "0",
-           "--progress", "--out", str(tmp_path / "run")]
+           "--steps-per-epoch", "2", "--batch-size", "32", "--width", "4", "--resolution", "16",
+           "--val-every", "0", "--workers", "0", "--progress", "--out", str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     bar = proc.stderr  # tqdm writes the bar to stderr
