@@ -175,3 +175,45 @@ def test_a_rank_exits_when_its_launcher_is_killed(arm: bool) -> None:
     finally:
         if _alive(child_pid):
             os.kill(child_pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            kids += [int(c) for c in f.read().split()]
+    return kids
+
+
+def test_kill_9_of_torchrun_takes_its_ranks_down(digits_data: dict, tmp_path) -> None:
+    """The reported failure, end to end: a real torchrun running the trainer is SIGKILLed; its rank
+    (in its own process group, so not reached by the signal) must not go on training."""
+    from tests.dist_utils import free_port
+
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer", "--recipe", "digits",
+           "--data", digits_data["train"], "--cache", digits_data["cache"], "--device", "cpu",
+           "--threads", "1", "--epochs", "500", "--width", "4", "--resolution", "16", "--workers", "0",
+           "--no-progress", "--val-every", "0", "--out", out]
+    launcher = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        metrics = os.path.join(out, "metrics.jsonl")
+        while time.monotonic() < deadline and not os.path.exists(metrics):  # the rank is training
+            assert launcher.poll() is None, "torchrun ended early"
+            time.sleep(0.2)
+        assert os.path.exists(metrics)
+        ranks = _children(launcher.pid)
+        assert ranks and all(_alive(p) for p in ranks)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        assert all(_wait_gone(p) for p in ranks), "a rank outlived its killed torchrun"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in ranks:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
