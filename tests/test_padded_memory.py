@@ -40,3 +40,15 @@ def test_temporaries_stay_under_the_output_size() -> None:
     out_bytes = len(batch) * batch.hmax * batch.wmax * 3
     peak = peak_tensor_bytes(batch.padded)
     assert out_bytes <= peak <= 2 * out_bytes
+
+
+def test_matmul_resize_peak_stays_bounded() -> None:
+    """resize_matmul converts and multiplies per group of samples: at the DAWNBench shape (crops of
+    160-px records to 96 px) its peak of live tensor bytes (padding, weights, float copies) stays
+    a few times the padded batch (over 9x when it did both passes for the whole batch at once)."""
+    from bench.augment_memory import dawnbench_batch, peak_tensor_bytes
+    from trainer.device_augment import resize_matmul
+
+    batch = dawnbench_batch(32)
+    out_bytes = len(batch) * batch.hmax * batch.wmax * 3
+    assert peak_tensor_bytes(lambda: resize_matmul(batch, 96)) <= 6 * out_bytes

@@ -40,6 +40,7 @@ from client.augment import _new_batch, resize_crops
 from client.crop import CropBatch
 
 METHOD_CHOICES = ("auto", "matmul", "interpolate")
+MATMUL_GROUPS = 8  # resize_matmul converts the uint8 batch to float in this many groups of samples
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -79,10 +80,20 @@ def resize_matmul(batch: CropBatch, size: int) -> Tensor:
     b, win = batch.boxes, batch.windows
     wy = axis_weights(b.select(1, 0), b.select(1, 1), win.select(1, 0), size, hp)
     wx = axis_weights(b.select(1, 2), b.select(1, 3), win.select(1, 1), size, wp, flip=batch.flips)
-    # vertical pass on the HWC buffer as [B, Hp, Wp*3]: no permute of the big input
-    rows = torch.bmm(wy, pix.reshape(n, hp, wp * 3).to(torch.float32))          # [B, S, Wp*3]
-    rows = rows.view(n, size, wp, 3).permute(0, 3, 1, 2)                        # [B, 3, S, Wp]
-    return torch.matmul(rows, wx.transpose(1, 2).unsqueeze(1))                  # [B, 3, S, S]
+    # Both passes run for MATMUL_GROUPS groups of samples in turn (every product is per sample, so
+    # the result is the same): the float copy of the uint8 input, the vertical pass's rows and the
+    # broadcast of the horizontal pass exist for one group at a time, not for the whole batch
+    # (peak tensor bytes: bench/augment_memory.py).
+    flat = pix.reshape(n, hp, wp * 3)
+    out = torch.empty((n, 3, size, size), dtype=torch.float32, device=pix.device)
+    group = max(1, -(-n // MATMUL_GROUPS))
+    for s0 in range(0, n, group):
+        k = min(group, n - s0)
+        # vertical pass on the HWC buffer as [k, Hp, Wp*3]: no permute of the big input
+        rows = torch.bmm(wy.narrow(0, s0, k), flat.narrow(0, s0, k).to(torch.float32))  # [k, S, Wp*3]
+        rows = rows.view(k, size, wp, 3).permute(0, 3, 1, 2)                             # [k, 3, S, Wp]
+        torch.matmul(rows, wx.narrow(0, s0, k).transpose(1, 2).unsqueeze(1), out=out.narrow(0, s0, k))
+    return out                                                                        # [B, 3, S, S]
 
 
 def resize_interpolate(batch: CropBatch, size: int) -> Tensor:
