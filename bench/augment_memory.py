@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
               "method": "peak live tensor bytes via a TorchDispatchMode (see bench/augment_memory.py)"}
     name = "augment_memory_quick" if args.quick else "augment_memory"
     write_results(name, machine=machine, config=config, results=results, ratios=ratios, out_dir=args.out,
-                  notes=["peak includes the output batch; inputs (packed pixels, meta) excluded"])
+                  notes=["peak includes the output batch; inputs (packed pixels, meta) excluded",
+                         "seconds: best of 3 on the CPU, informational only (a shared machine is noisy); "
+                         "the byte counts are deterministic"])
     bar_chart(f"{args.out}/{name}.png", list(runs), [results[k]["peak_vs_output"] for k in runs],
               title=f"peak tensor bytes / padded output, {n} DAWNBench crops", ylabel="x output bytes")
     return 0
