@@ -16,6 +16,7 @@ from PIL import Image
 from datacache.config import ConfigError
 from tests.dist_utils import free_port
 from trainer import checkpoint
+from trainer.comm.state import HookState
 from trainer.digits import render
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,17 +112,21 @@ def test_checkpoint_resolution_and_refusals(tmp_path) -> None:
     sched = {"lr": 0.1, "global_batch": 64, "seed": 0, "resolution": 32, "comm_method": "hitopk",
              "steps_in_epoch": 10}
     d = checkpoint.save(out, rank=0, pos=checkpoint.Position(1, 4, 14), model=model, optimizer=opt,
-                        scaler=None, comm_state={"step": 14}, schedules=sched, config_json="{}", world_size=2)
+                        scaler=None, comm_state=HookState(step=14).state_dict(), schedules=sched,
+                        config_json="{}", world_size=2)
     assert checkpoint.resolve("auto", out) == d and checkpoint.resolve(d + "/train.pt", out) == d
     loaded = checkpoint.load(d, rank=0, world_size=2)
     assert (loaded.pos.epoch, loaded.pos.step, loaded.pos.global_step) == (1, 4, 14)
-    assert loaded.comm == {"step": 14}
+    assert loaded.comm is not None and loaded.comm["step"] == 14
     checkpoint.check_resumable(loaded, {**sched, "lr": 0.05}, 2, d)  # the LR is recomputed: fine
-    for step in (20, 30, 40):  # keep=2: the oldest go once `latest` moved past them
+    pruner = checkpoint.Pruner(str(tmp_path / "checkpoints"), keep=2)
+    for step in (20, 30, 40):  # keep=2: this run's oldest go once `latest` moved past them
         last = checkpoint.save(out, rank=0, pos=checkpoint.Position(2, 0, step), model=model, optimizer=opt,
-                               scaler=None, comm_state={}, schedules=sched, config_json="{}", world_size=2,
-                               keep=2)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step00000030", "step00000040"]
+                               scaler=None, comm_state=HookState().state_dict(), schedules=sched,
+                               config_json="{}", world_size=2, pruner=pruner)
+    # step00000014 was not written by this pruner's run: it stays
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step00000014", "step00000030",
+                                                            "step00000040"]
     assert checkpoint.resolve("auto", out) == last
     with pytest.raises(ConfigError, match="saved mid-epoch with 2 ranks, now 4"):
         checkpoint.check_resumable(loaded, sched, 4, d)

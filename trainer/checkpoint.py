@@ -12,9 +12,16 @@ epoch, step, rank)``, so the position alone restores the remaining sample order 
 The schedule values in force (LR, global batch, resolution, comm method) are saved too and
 checked against the config on resume: a resumed run with other schedules is refused mid-epoch.
 
-Writes are atomic (temporary file + ``os.replace``) and ``latest`` moves only after every rank
-wrote its file (a barrier), so a run killed while saving resumes from the previous checkpoint.
-Everything loads with ``torch.load(weights_only=True)``: tensors, numbers and strings only.
+Writes are atomic (temporary file + ``os.replace``) and durable: each file is fsynced before its
+rename and the directory after it, so after a power loss ``latest`` never names an empty file.
+``latest`` moves only after every rank wrote its file (a barrier), so a run killed while saving
+resumes from the previous checkpoint. Everything loads with ``torch.load(weights_only=True)``:
+tensors, numbers and strings only. A file that cannot be read (truncated, overwritten, another
+program's) is a :class:`~datacache.config.ConfigError` naming it and saying what to do.
+
+Pruning (:class:`Pruner`) deletes only checkpoints this run wrote, oldest first, and never the
+one ``latest`` names; the output directory itself is guarded by :mod:`trainer.rundir` (one run
+at a time, no fresh run over old checkpoints).
 """
 
 from __future__ import annotations
@@ -40,10 +47,76 @@ class Position:
     global_step: int
 
 
+def _fsync_dir(path: str) -> None:
+    """Make a rename/creation in directory ``path`` durable (POSIX: fsync the directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary file, fsync it, rename it over ``path``, fsync the directory."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _atomic_write_text(text: str, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def read_latest(root: str) -> str | None:
+    """The step directory name ``<root>/latest`` holds, or None when there is none."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def is_step_dir(name: str) -> bool:
+    return name.startswith("step") and name[4:].isdigit() and len(name) == 12
+
+
+class Pruner:
+    """Keeps the newest ``keep`` checkpoints THIS run wrote (``keep`` 0: all). Checkpoints of other
+    runs (or the one a resumed run started from) are never touched, nor the one ``latest`` names."""
+
+    def __init__(self, root: str, keep: int) -> None:
+        self.root = root
+        self.keep = int(keep)
+        self.written: list[str] = []  # step directory names, oldest first
+
+    def add(self, name: str) -> None:
+        if name in self.written:
+            self.written.remove(name)
+        self.written.append(name)
+
+    def prune(self) -> list[str]:
+        """Delete this run's checkpoints beyond the newest ``keep``; returns the names deleted."""
+        if self.keep <= 0 or len(self.written) <= self.keep:
+            return []
+        latest = read_latest(self.root)
+        gone = []
+        for name in self.written[:-self.keep]:
+            if name == latest:
+                continue  # what `latest` names is never deleted
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            gone.append(name)
+        self.written = [n for n in self.written if n not in gone]
+        return gone
 
 
 def checkpoint_dir(out: str, global_step: int) -> str:
@@ -52,11 +125,12 @@ def checkpoint_dir(out: str, global_step: int) -> str:
 
 def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler | None, comm_state: dict[str, Any], schedules: dict[str, Any],
-         config_json: str, world_size: int, keep: int = 0) -> str:
+         config_json: str, world_size: int, pruner: Pruner | None = None) -> str:
     """Write this rank's part of the checkpoint at ``pos`` (COLLECTIVE: every rank calls it); with
-    ``keep`` > 0 rank 0 then deletes all but the newest ``keep`` complete checkpoints."""
+    a ``pruner`` rank 0 then deletes this run's checkpoints beyond its ``keep``."""
     d = checkpoint_dir(out, pos.global_step)
     os.makedirs(d, exist_ok=True)
+    _fsync_dir(os.path.dirname(d))
     _atomic_save(comm_state, os.path.join(d, f"comm_rank{rank}.pt"))
     if rank == 0:
         _atomic_save({
@@ -69,20 +143,11 @@ def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimize
     if dist.is_initialized():
         dist.barrier()  # every rank's file is complete before `latest` points at it
     if rank == 0:
-        tmp = os.path.join(out, "checkpoints", f"latest.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(d) + "\n")
-        os.replace(tmp, os.path.join(out, "checkpoints", "latest"))
-        if keep > 0:
-            _prune(os.path.join(out, "checkpoints"), keep)
+        _atomic_write_text(os.path.basename(d) + "\n", os.path.join(out, "checkpoints", "latest"))
+        if pruner is not None:
+            pruner.add(os.path.basename(d))
+            pruner.prune()
     return d
-
-
-def _prune(root: str, keep: int) -> None:
-    """Delete the oldest ``stepNNNNNNNN`` directories beyond the newest ``keep`` (after ``latest`` moved)."""
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit())
-    for old in steps[:-keep]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def resolve(resume: str, out: str) -> str | None:
@@ -91,11 +156,14 @@ def resolve(resume: str, out: str) -> str | None:
     if not resume:
         return None
     if resume == "auto":
-        latest = os.path.join(out, "checkpoints", "latest")
-        if not os.path.exists(latest):
+        root = os.path.join(out, "checkpoints")
+        name = read_latest(root)
+        if name is None:
             return None
-        with open(latest) as f:
-            return os.path.join(out, "checkpoints", f.read().strip())
+        if not os.path.exists(os.path.join(root, name, "train.pt")):
+            raise ConfigError(f"{root}/latest names {name}, which has no train.pt; resume from another "
+                              f"checkpoint with --resume {root}/stepNNNNNNNN, or start over with --overwrite")
+        return os.path.join(root, name)
     path = resume[: -len("/train.pt")] if resume.endswith("/train.pt") else resume
     if not os.path.exists(os.path.join(path, "train.pt")):
         raise ConfigError(f"--resume {resume}: no checkpoint there (expected {path}/train.pt); "
@@ -109,30 +177,102 @@ class Loaded:
     train: dict[str, Any]
     comm: dict[str, Any] | None
     schedules: dict[str, Any]
+    path: str = ""
+
+    @property
+    def saved_config(self) -> dict[str, Any]:
+        try:
+            cfg = json.loads(self.train.get("config", "{}"))
+        except (TypeError, ValueError):
+            return {}
+        return cfg if isinstance(cfg, dict) else {}
+
+
+WHAT_TO_DO = ("resume from an earlier checkpoint (--resume <out>/checkpoints/stepNNNNNNNN) or start over "
+              "with --overwrite")
+
+
+def _read(file: str, map_location: torch.device | str) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of one checkpoint file; any failure -> one-line ConfigError
+    naming the file (never the file's contents: torch's message may quote its bytes)."""
+    try:
+        obj = torch.load(file, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: missing; {WHAT_TO_DO}") from None
+    except Exception as e:  # truncated zip, random bytes, a pickle with forbidden globals, ...
+        raise ConfigError(f"{file}: not a readable checkpoint file ({type(e).__name__}; truncated or "
+                          f"overwritten?); {WHAT_TO_DO}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{file}: holds a {type(obj).__name__}, not a checkpoint dict; {WHAT_TO_DO}")
+    return obj
+
+
+def _check_comm(comm: dict[str, Any], file: str) -> None:
+    """Refuse a damaged per-rank comm state now (a throwaway HookState reads it), on the rank that
+    has it, before any rank applies anything."""
+    from trainer.comm.state import HookState
+
+    try:
+        HookState().load_state_dict(comm)
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{file}: not a comm state this trainer wrote ({type(e).__name__}: "
+                          f"{str(e)[:200]}); {WHAT_TO_DO}") from None
 
 
 def load(path: str, rank: int, world_size: int, map_location: torch.device | str = "cpu") -> Loaded:
-    """Read a checkpoint directory (every rank reads ``train.pt`` and its own comm state)."""
-    train = torch.load(os.path.join(path, "train.pt"), map_location=map_location, weights_only=True)
+    """Read a checkpoint directory (every rank reads ``train.pt`` and its own comm state). Reading
+    changes nothing in the run: :func:`check_resumable` runs on the result before anything is applied."""
+    file = os.path.join(path, "train.pt")
+    train = _read(file, map_location)
     if train.get("format") != FORMAT:
-        raise ConfigError(f"{path}/train.pt: checkpoint format {train.get('format')!r}, expected {FORMAT}")
+        raise ConfigError(f"{file}: checkpoint format {train.get('format')!r}, expected {FORMAT}; "
+                          f"{WHAT_TO_DO}")
+    missing = [k for k in ("position", "model", "optimizer", "schedules", "config", "rng") if k not in train]
+    if missing:
+        raise ConfigError(f"{file}: lacks {missing}; {WHAT_TO_DO}")
     comm_file = os.path.join(path, f"comm_rank{rank}.pt")
-    comm = torch.load(comm_file, map_location="cpu", weights_only=True) if os.path.exists(comm_file) else None
-    epoch, step, global_step = (int(v) for v in train["position"])
-    return Loaded(Position(epoch, step, global_step), train, comm, json.loads(train["schedules"]))
+    comm = _read(comm_file, "cpu") if os.path.exists(comm_file) else None
+    if comm is not None:
+        _check_comm(comm, comm_file)
+    try:
+        epoch, step, global_step = (int(v) for v in train["position"])
+        schedules = json.loads(train["schedules"])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{file}: damaged position or schedules; {WHAT_TO_DO}") from None
+    return Loaded(Position(epoch, step, global_step), train, comm, schedules, path)
 
 
-def check_resumable(loaded: Loaded, schedules_now: dict[str, Any], world_size: int, path: str) -> None:
-    """Refuse a mid-epoch resume whose sample order or schedules would differ from the saved run."""
+# What a checkpoint's tensors are shaped by: never changeable on resume (epoch end or not).
+FIXED_FIELDS = ("model", "width", "optimizer")
+
+
+def check_resumable(loaded: Loaded, schedules_now: dict[str, Any], world_size: int, path: str,
+                    config_now: dict[str, Any] | None = None) -> None:
+    """Refuse a resume that cannot continue the saved run. Runs BEFORE anything is loaded.
+
+    Always: the model, its width and the optimizer must be the checkpoint's (their tensors are
+    shaped by them). Mid-epoch (``step > 0``) also the world size and every schedule value but the
+    LR: the remaining sample order depends on them. At an epoch end anything else may change.
+    """
+    file = os.path.join(path, "train.pt")
+    saved = loaded.saved_config
+    if config_now is not None:
+        diff = {k: (saved.get(k), config_now.get(k)) for k in FIXED_FIELDS
+                if k in saved and saved.get(k) != config_now.get(k)}
+        if diff:
+            what = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            flags = " ".join(f"--{k} {a}" for k, (a, _) in diff.items())
+            raise ConfigError(f"{file}: the checkpoint was made with another {'/'.join(diff)} ({what}); "
+                              f"resume with {flags}, or start a new run in another --out")
     if loaded.pos.step == 0:
-        return  # an epoch boundary: any world size and schedule can continue from here
+        return  # an epoch boundary: world size and schedules may change from here
     saved_world = int(loaded.train.get("world_size", world_size))
     if saved_world != world_size:
-        raise ConfigError(f"{path}: saved mid-epoch with {saved_world} ranks, now {world_size}; the "
+        raise ConfigError(f"{file}: saved mid-epoch with {saved_world} ranks, now {world_size}; the "
                           "remaining sample order cannot be continued -- resume from an epoch-end "
-                          "checkpoint or with the same world size")
+                          f"checkpoint or with {saved_world} ranks")
     diff = {k: (loaded.schedules.get(k), v) for k, v in schedules_now.items()
             if k != "lr" and loaded.schedules.get(k) != v}
     if diff:
-        raise ConfigError(f"{path}: the schedules differ from the checkpoint's mid-epoch ({diff}); "
+        raise ConfigError(f"{file}: the schedules differ from the checkpoint's mid-epoch ({diff}); "
                           "resume with the same config, or from an epoch-end checkpoint")

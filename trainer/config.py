@@ -114,6 +114,8 @@ class TrainConfig:
     checkpoint_every: int = _f(0, "also checkpoint every N steps (0: at epoch ends only)", "run")
     keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0: all)", "run")
     resume: str = _f("", "checkpoint to resume from: a file, or 'auto' (the newest in --out)", "run")
+    overwrite: bool = _f(False, "start a fresh run even if --out holds checkpoints (deletes them and "
+                         "metrics.jsonl); without it such a start is refused", "run")
     val_every: int = _f(1, "validate every N epochs (0: never)", "run")
     progress: bool = _f(True, "progress bar on rank 0", "run")
     recipe: str = _f("none", "preset applied before the other flags", "run", RECIPE_CHOICES)
@@ -167,9 +169,25 @@ class TrainConfig:
         if self.batch_per_rank:
             return b * world_size
         if b % world_size:
-            raise ConfigError(f"batch_size {b} (epoch {epoch}) does not split over {world_size} ranks; "
+            raise ConfigError(f"batch_size {b} (schedule epoch {epoch}: the run's epoch {epoch + 1}) does "
+                              f"not split over {world_size} ranks; "
                               f"use a multiple of {world_size} or --batch-per-rank")
         return b
+
+    def validate_run(self, world_size: int, train_samples: int) -> None:
+        """Check every schedule phase that will run against the world size and the dataset, so a
+        phase that cannot run fails now, in one line, not when training reaches it hours later."""
+        per_rank_samples = -(-train_samples // world_size)  # DistributedBatchSampler pads to this
+        starts = sorted({s for sched in (self.batch_schedule, self.resolution_schedule, self.comm_schedule)
+                         for s, _ in sched.phases if s < self.epochs})
+        for epoch in starts:
+            gbs = self.global_batch(epoch, world_size)  # raises when it does not split over the ranks
+            per_rank = gbs // world_size
+            if per_rank > per_rank_samples:
+                raise ConfigError(f"batch_size {self.batch_schedule.at(epoch)} (schedule epoch {epoch}: the "
+                                  f"run's epoch {epoch + 1}; global "
+                                  f"{gbs} = {per_rank} per rank x {world_size} ranks) is larger than the "
+                                  f"{train_samples} training samples: lower --batch-size or use more data")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -17,9 +17,10 @@ the batch is on:
   ~0.7 ms a sample at 64 px (2 cores) where the band of non-zero weights is ~6 wide.
 * ``"interpolate"``: per sample, torch's uint8 antialiased bilinear kernel (the same filter,
   rounding to uint8 between its two passes as Pillow does) writes into the batch
-  (:func:`client.augment.resize_crops`): ~25-45 us a crop on a CPU core, but one kernel
-  launch per sample, which a GPU must not pay. Boxes must be whole windows (training batches,
-  ``size == 0``).
+  (:func:`client.augment.resize_crops`): ~25-45 us a crop on a CPU core. CPU batches only: on a
+  GPU it would need a device -> host read of the window sizes and one kernel launch per sample
+  (and CUDA's antialiased upsample may not take uint8), so a device batch is refused with one
+  line. Boxes must be whole windows (training batches, ``size == 0``).
 * ``"auto"`` (default): ``"interpolate"`` for training batches on the CPU, ``"matmul"``
   otherwise (CUDA, and fractional validation boxes).
 
@@ -39,6 +40,7 @@ from client.augment import _new_batch, resize_crops
 from client.crop import CropBatch
 
 METHOD_CHOICES = ("auto", "matmul", "interpolate")
+MATMUL_GROUPS = 8  # resize_matmul converts the uint8 batch to float in this many groups of samples
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -57,13 +59,16 @@ def axis_weights(start: Tensor, extent: Tensor, window: Tensor, n_out: int, n_in
     start = start.to(torch.float32)
     scale = extent.to(torch.float32) / n_out
     fs = scale.clamp(min=1.0)
-    centre = start[:, None] + (torch.arange(n_out, device=dev, dtype=torch.float32) + 0.5) * scale[:, None]
-    pos = torch.arange(n_in, device=dev, dtype=torch.float32) + 0.5
-    w = (1.0 - (pos[None, None, :] - centre[:, :, None]).abs() / fs[:, None, None]).clamp_(min=0.0)
-    w.mul_(pos[None, None, :] < window.to(device=dev, dtype=torch.float32)[:, None, None])
+    # reshape/unsqueeze rather than Python indexing: the same ops, and they also run on fake CUDA
+    # tensors (tests/test_fake_cuda.py checks the device placement of this path without a GPU)
+    out_pos = torch.arange(n_out, device=dev, dtype=torch.float32) + 0.5
+    centre = start.unsqueeze(1) + out_pos * scale.unsqueeze(1)
+    pos = (torch.arange(n_in, device=dev, dtype=torch.float32) + 0.5).view(1, 1, n_in)
+    w = (1.0 - (pos - centre.unsqueeze(2)).abs() / fs.view(-1, 1, 1)).clamp_(min=0.0)
+    w.mul_(pos < window.to(device=dev, dtype=torch.float32).view(-1, 1, 1))
     w.div_(w.sum(dim=2, keepdim=True).clamp_(min=1e-12))
     if flip is not None:
-        w = torch.where(flip.to(dev)[:, None, None], w.flip(1), w)
+        w = torch.where(flip.to(dev).view(-1, 1, 1), w.flip(1), w)
     return w
 
 
@@ -72,29 +77,41 @@ def resize_matmul(batch: CropBatch, size: int) -> Tensor:
     pixel units (0..255, not rounded), on the batch's device. Two batched GEMMs."""
     pix = batch.padded()  # [B, Hmax, Wmax, 3]: one scatter on the device
     n, hp, wp, _ = pix.shape
-    b = batch.boxes
-    wy = axis_weights(b[:, 0], b[:, 1], batch.windows[:, 0], size, hp)
-    wx = axis_weights(b[:, 2], b[:, 3], batch.windows[:, 1], size, wp, flip=batch.flips)
-    # vertical pass on the HWC buffer as [B, Hp, Wp*3]: no permute of the big input
-    rows = torch.bmm(wy, pix.reshape(n, hp, wp * 3).to(torch.float32))          # [B, S, Wp*3]
-    rows = rows.view(n, size, wp, 3).permute(0, 3, 1, 2)                        # [B, 3, S, Wp]
-    return torch.matmul(rows, wx.transpose(1, 2).unsqueeze(1))                  # [B, 3, S, S]
+    b, win = batch.boxes, batch.windows
+    wy = axis_weights(b.select(1, 0), b.select(1, 1), win.select(1, 0), size, hp)
+    wx = axis_weights(b.select(1, 2), b.select(1, 3), win.select(1, 1), size, wp, flip=batch.flips)
+    # Both passes run for MATMUL_GROUPS groups of samples in turn (every product is per sample, so
+    # the result is the same): the float copy of the uint8 input, the vertical pass's rows and the
+    # broadcast of the horizontal pass exist for one group at a time, not for the whole batch
+    # (peak tensor bytes: bench/augment_memory.py).
+    flat = pix.reshape(n, hp, wp * 3)
+    out = torch.empty((n, 3, size, size), dtype=torch.float32, device=pix.device)
+    group = max(1, -(-n // MATMUL_GROUPS))
+    for s0 in range(0, n, group):
+        k = min(group, n - s0)
+        # vertical pass on the HWC buffer as [k, Hp, Wp*3]: no permute of the big input
+        rows = torch.bmm(wy.narrow(0, s0, k), flat.narrow(0, s0, k).to(torch.float32))  # [k, S, Wp*3]
+        rows = rows.view(k, size, wp, 3).permute(0, 3, 1, 2)                             # [k, 3, S, Wp]
+        torch.matmul(rows, wx.narrow(0, s0, k).transpose(1, 2).unsqueeze(1), out=out.narrow(0, s0, k))
+    return out                                                                        # [B, 3, S, S]
 
 
 def resize_interpolate(batch: CropBatch, size: int) -> Tensor:
     """Resize (and flip) every whole window of ``batch`` with torch's uint8 antialiased kernel,
-    one call per sample: uint8 channels_last ``[B, 3, S, S]``. Training batches only."""
+    one call per sample: uint8 channels_last ``[B, 3, S, S]``. Training batches on the CPU only:
+    per-sample window sizes are host values, and a device batch would need a device -> host read
+    of its ``meta`` (plus one kernel launch per sample, and CUDA's antialiased kernel may not take
+    uint8); such a batch is refused with one line -- use ``matmul``."""
+    if batch.pixels.device.type != "cpu":
+        raise ValueError(f"DeviceAugment(method='interpolate') runs on CPU batches only, this one is on "
+                         f"{batch.pixels.device}; use method='matmul' (or 'auto', which picks it there)")
     if batch.size != 0:
         raise ValueError("resize_interpolate needs whole-window boxes (training batches, size 0); "
                          "use resize_matmul for validation batches")
     views = batch.views()  # [h, w, 3] views of the packed windows
     images = [v.permute(2, 0, 1) for v in views]
     boxes = [(0, 0, int(v.shape[0]), int(v.shape[1])) for v in views]
-    if batch.pixels.device.type == "cpu":
-        out = _new_batch(len(images), size)
-    else:  # same channels_last uint8 layout on the device
-        out = torch.empty((len(images), size, size, 3), dtype=torch.uint8,
-                          device=batch.pixels.device).permute(0, 3, 1, 2)
+    out = _new_batch(len(images), size)
     return resize_crops(images, boxes, batch.flips.tolist(), size, out=out)
 
 

@@ -5,7 +5,7 @@
 scaled to 0..255 (``round(v * 255 / 16)``), inverted to dark ink on white paper, and enlarged
 ``scale`` times with nearest-neighbour (so every source pixel is a ``scale x scale`` block: the
 file holds exactly the dataset's values), as grayscale PNG -- or JPEG (``--format jpeg``, lossy).
-The file name is the sample's index in ``load_digits()``. Needs scikit-learn (the ``test`` extra).
+The file name is the sample's index in ``load_digits()``. Needs scikit-learn (the ``train`` extra).
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def load() -> tuple[np.ndarray, np.ndarray]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:
-        raise ConfigError("the digits dataset needs scikit-learn: pip install scikit-learn "
-                          "(or pip install -e '.[test]')") from e
+        raise ConfigError("the digits dataset needs scikit-learn, which the 'train' extra installs: "
+                          "pip install 'datacache[train]' (from a checkout: pip install -e '.[train]')"
+                          ) from e
     d = load_digits()
     values = np.rint(d.images * (255.0 / 16.0)).astype(np.uint8)
     return 255 - values, d.target.astype(np.int64)

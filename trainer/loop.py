@@ -69,6 +69,15 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def loss_scale(scaler: torch.amp.GradScaler) -> Tensor | None:
+    """The scaler's current scale as a device tensor (no host read), or None when it is disabled.
+    HAZARD (torch internals): ``GradScaler._scale`` exists once ``scale()`` ran and is updated in
+    place by ``update()``; ``get_scale()`` would be the public way but reads it on the host."""
+    if not scaler.is_enabled():
+        return None
+    return scaler._scale
+
+
 def train_step(ctx: StepContext, x: Tensor, y: Tensor, lr: float) -> tuple[Tensor, bool]:
     """Forward, backward (the hooks communicate), optimizer step unless skipped. Returns the
     detached loss (a device tensor: not read here) and whether the optimizer stepped."""
@@ -76,7 +85,9 @@ def train_step(ctx: StepContext, x: Tensor, y: Tensor, lr: float) -> tuple[Tenso
     with ctx.amp.autocast():
         loss = ctx.loss_fn(ctx.ddp(x), y)
     if ctx.amp.scaler is not None:
-        ctx.amp.scaler.scale(loss).backward()
+        scaled = ctx.amp.scaler.scale(loss)
+        ctx.state.grad_scale = loss_scale(ctx.amp.scaler)  # the hooks keep residuals unscaled with it
+        scaled.backward()
     else:
         loss.backward()
     stepped = maybe_step(ctx.optimizer, ctx.state, ctx.amp.scaler)  # the step's one host sync
@@ -99,7 +110,8 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     skipped_before = ctx.state.skipped_steps
     step = start_step
-    bar = tqdm(total=steps_in_epoch, initial=start_step, desc=f"epoch {epoch}", unit="step",
+    # epochs are shown 1-based everywhere (this bar, the epoch line); `epoch` is the 0-based index
+    bar = tqdm(total=steps_in_epoch, initial=start_step, desc=f"epoch {epoch + 1}", unit="step",
                disable=not progress, leave=False, dynamic_ncols=True)
     t0 = time.perf_counter()
     for x, y in pre:

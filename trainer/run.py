@@ -1,15 +1,23 @@
 """A whole training run: datasets, model, DDP + comm hooks, epochs, validation, checkpoints, logs.
 
 ``train(cfg)`` is what ``python -m trainer`` runs on every rank (under torchrun, or alone in a
-one-rank group). Order of a resumed start: model weights -> DDP + hooks -> comm residuals ->
-optimizer and GradScaler state -> the DDP layout warm-up (:func:`trainer.setup.layout_warmup`)
--> the remaining batches of the saved epoch, from the saved step.
+one-rank group). Order of a start: rank 0 locks ``--out`` and refuses a fresh run over old
+checkpoints (:mod:`trainer.rundir`) -> every schedule phase is checked against the world size and
+the dataset (:meth:`TrainConfig.validate_run`) -> a resumed run reads its checkpoint files and
+checks them against the config (:func:`trainer.checkpoint.check_resumable`) BEFORE anything is
+applied. Each of these steps ends with every rank agreeing on the outcome (:func:`_agree`), so a
+problem on one rank is one error line on all of them, never a hang in the next collective.
+Then, for a resume: model weights -> DDP + hooks -> comm residuals -> optimizer and GradScaler
+state -> the DDP layout warm-up (:func:`trainer.setup.layout_warmup`) -> the remaining batches
+of the saved epoch, from the saved step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +34,7 @@ from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
 from trainer.loop import EpochStats, StepContext, train_epoch, validate
 from trainer.metrics import MetricsLog, epoch_line
+from trainer.rundir import RunLock, check_fresh_start
 from trainer.setup import channels_last, layout_warmup, make_amp, make_ddp, make_model, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -83,6 +92,57 @@ def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
 LoaderFactory = Callable[[Data, DistributedBatchSampler], Iterable[Any]]
 
 
+def _agree(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it raised a ConfigError on ANY rank, raise that error (the
+    lowest failing rank's) on every rank. COLLECTIVE: a rank that failed alone would otherwise
+    leave the others waiting in the next collective."""
+    result, error = None, None
+    try:
+        result = fn()
+    except ConfigError as e:
+        error = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+        if first is not None:
+            raise ConfigError(first[1] if first[0] == 0 else f"rank {first[0]}: {first[1]}")
+    elif error is not None:
+        raise ConfigError(error)
+    return result
+
+
+@contextlib.contextmanager
+def _out_dir(cfg: TrainConfig, info: DistInfo, resuming: bool) -> Iterator[None]:
+    """Rank 0 holds the lock on ``--out`` for the run (see :mod:`trainer.rundir`)."""
+    lock = RunLock(cfg.out)
+
+    def take() -> None:
+        if info.is_main:
+            lock.acquire()
+            try:
+                check_fresh_start(cfg.out, resuming, cfg.overwrite)
+            except BaseException:
+                lock.release()
+                raise
+
+    _agree(take)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _apply(what: str, file: str, fn: Callable[[], Any], hint: str) -> None:
+    """Apply one part of a checkpoint; a mismatch is a ConfigError naming the file (never the
+    torch message's tensors: only its first line, which names keys and shapes)."""
+    try:
+        fn()
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{file}: its {what} does not fit this run ({first}); {hint}") from None
+
+
 def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: LoaderFactory | None = None,
           record_losses: bool = False) -> RunResult:
     """Run ``cfg`` on this rank. ``make_loader(data, sampler)`` replaces the cached crop loader
@@ -93,28 +153,54 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
     info = info or init_distributed(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    path = _agree(lambda: checkpoint.resolve(cfg.resume, cfg.out))
+    with _out_dir(cfg, info, resuming=path is not None):
+        return _train(cfg, info, path, make_loader=make_loader, record_losses=record_losses)
+
+
+def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: LoaderFactory | None,
+           record_losses: bool) -> RunResult:
     device, rank, world = info.device, info.rank, info.world_size
-    data = open_data(cfg)
+    data = _agree(lambda: open_data(cfg))
+    _agree(lambda: cfg.validate_run(world, len(data.train_idx)))
+    sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
+
+    def read_checkpoint() -> checkpoint.Loaded | None:
+        if not path:
+            return None
+        # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
+        loaded = checkpoint.load(path, rank, world, map_location="cpu")
+        if loaded.pos.epoch < cfg.epochs:
+            sampler.set_epoch(loaded.pos.epoch, cfg.global_batch(loaded.pos.epoch, world) // world, 0,
+                              cfg.steps_per_epoch)
+            now = _schedules(cfg, loaded.pos.epoch, world, sampler.steps_in_epoch(), 0.0)
+        else:
+            now = {}
+        checkpoint.check_resumable(loaded, now, world, path, cfg.to_dict())
+        return loaded
+
+    loaded = _agree(read_checkpoint)  # everything checked before anything is applied
+    train_file = os.path.join(path or "", "train.pt")
+    hint = "resume with the config the checkpoint was made with, or start a new run in another --out"
     model = make_model(cfg, len(data.train.classes), device)
-    path = checkpoint.resolve(cfg.resume, cfg.out)
-    # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
-    loaded = checkpoint.load(path, rank, world, map_location="cpu") if path else None
     if loaded is not None:
-        model.load_state_dict(loaded.train["model"])
+        _apply("model", train_file, lambda: model.load_state_dict(loaded.train["model"]), hint)
     ddp, state = make_ddp(model, cfg, device)
     optimizer = make_optimizer(cfg, model)
     amp = make_amp(cfg, device)
     if loaded is not None:
         if loaded.comm is not None:
-            state.load_state_dict(loaded.comm)
-        optimizer.load_state_dict(loaded.train["optimizer"])
+            _apply("comm state", os.path.join(path or "", f"comm_rank{rank}.pt"),
+                   lambda: state.load_state_dict(loaded.comm), checkpoint.WHAT_TO_DO)
+        _apply("optimizer state", train_file, lambda: optimizer.load_state_dict(loaded.train["optimizer"]),
+               hint)
         if amp.scaler is not None and loaded.train["scaler"]:
-            amp.scaler.load_state_dict(loaded.train["scaler"])
+            _apply("GradScaler state", train_file, lambda: amp.scaler.load_state_dict(loaded.train["scaler"]),
+                   hint)
         torch.set_rng_state(loaded.train["rng"])
     fmt = torch.channels_last if channels_last(cfg, device) else torch.contiguous_format
     ctx = StepContext(ddp, optimizer, state, amp, nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
                       DeviceAugment(memory_format=fmt), device, cfg.lr_schedule)
-    sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
     loader = make_loader(data, sampler) if make_loader is not None else train_loader(
         data.train, sampler, workers=cfg.workers, seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip,
         pin_memory=device.type == "cuda")
@@ -123,15 +209,12 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
     if loaded is not None:
         start_epoch, start_step, gstep = loaded.pos.epoch, loaded.pos.step, loaded.pos.global_step
         if start_epoch < cfg.epochs:
-            per_rank = cfg.global_batch(start_epoch, world) // world
-            sampler.set_epoch(start_epoch, per_rank, 0, cfg.steps_per_epoch)
-            now = _schedules(cfg, start_epoch, world, sampler.steps_in_epoch(), 0.0)
-            checkpoint.check_resumable(loaded, now, world, path or "")
             res = cfg.resolution_schedule.at(start_epoch)
             x = torch.zeros((sampler.batch_size, 3, res, res), device=device).contiguous(memory_format=fmt)
             layout_warmup(ddp, state, (x, torch.zeros(sampler.batch_size, dtype=torch.long, device=device)),
                           ctx.loss_fn)
         logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}")
+    pruner = checkpoint.Pruner(os.path.join(cfg.out, "checkpoints"), cfg.keep_checkpoints)
     logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),
                  train_samples=len(data.train_idx), val_samples=len(data.val_idx), resumed_from=path)
     result = RunResult(model=model, resumed_from=path)
@@ -147,7 +230,7 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
         def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first) -> None:
             g = g0 + step  # the global step just completed
             if cfg.checkpoint_every and g % cfg.checkpoint_every == 0 and step < steps:
-                _save(cfg, info, model, ctx, checkpoint.Position(epoch, step, g),
+                _save(cfg, info, model, ctx, pruner, checkpoint.Position(epoch, step, g),
                       _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]))
 
         stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
@@ -167,7 +250,7 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
                                               pin_memory=device.type == "cuda")
             v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
-        _save(cfg, info, model, ctx, checkpoint.Position(epoch + 1, 0, gstep),
+        _save(cfg, info, model, ctx, pruner, checkpoint.Position(epoch + 1, 0, gstep),
               _schedules(cfg, epoch, world, steps, stats.lr))
         logger.write("epoch", **rec)
         logger.say(epoch_line(rec, cfg.epochs))
@@ -190,9 +273,9 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
             "decoded": int(decoded)}
 
 
-def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pos: checkpoint.Position,
-          schedules: dict[str, Any]) -> None:
+def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pruner: checkpoint.Pruner,
+          pos: checkpoint.Position, schedules: dict[str, Any]) -> None:
     d = checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
                         scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
-                        config_json=cfg.to_json(), world_size=info.world_size, keep=cfg.keep_checkpoints)
+                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner)
     log.info("checkpoint %s", d)

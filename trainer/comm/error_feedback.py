@@ -16,6 +16,16 @@ rank), so mismatching residuals are DROPPED with a logged warning and counted in
 ``dropped``. That loses at most one step's worth of unsent gradient per bucket, which error
 feedback tolerates; re-sharding would need every rank's residual at once.
 
+Units: residuals are in averaged gradient units, and under fp16 AMP UNSCALED (true gradient
+units). The bucket the hook sees holds loss-scaled gradients (``GradScaler``'s current scale S);
+the hook multiplies the residual by S before compensating and divides the updated residual by S
+afterwards (:attr:`HookState.grad_scale`; S is a power of two, so both are exact). When the
+scaler halves or doubles S, the held-back gradient keeps its weight; stored in scaled units it
+would count x0.5 or x2 in the next step.
+
+Devices: residuals live on the bucket's device; a residual loaded from a checkpoint (CPU) moves
+to the bucket's device and dtype when it is first used or flushed into a dense bucket.
+
 Checkpoints: residuals differ per rank, so save ``state_dict()`` PER RANK (e.g.
 ``ef_rank{rank}.pt``). The dict holds only tensors, strings and ints, so
 ``torch.load(..., weights_only=True)`` reads it.
@@ -99,7 +109,7 @@ class ErrorFeedback:
         if old is not None:
             if self._meta.get(key) == meta:
                 if old.device != torch.device(device):
-                    old = self._res[key] = old.to(device)
+                    old = self._res[key] = old.to(device=device, dtype=torch.float32)
                 return old
             self._drop(key, f"layout changed: {self._meta.get(key)} -> {meta}")
         res = torch.zeros(residual_numel(method, numel, topo.local_size), dtype=torch.float32,
@@ -107,13 +117,17 @@ class ErrorFeedback:
         self._res[key], self._meta[key] = res, meta
         return res
 
-    def flush_into(self, key: str, flat: Tensor, topo: Topology, scale: float = 1.0) -> bool:
+    def flush_into(self, key: str, flat: Tensor, topo: Topology, scale: float = 1.0,
+                   grad_scale: Tensor | None = None) -> bool:
         """Add ``scale`` x bucket ``key``'s residual into a dense gradient ``flat`` and forget it.
 
         Used when the method switches from sparse to dense: summed over ranks, the flushed
         residuals deliver exactly the mass that was held back. The hooks keep residuals in
         averaged units and divide the dense sum by the world size afterwards, so they pass
-        ``scale=world_size``. Returns True if one was added.
+        ``scale=world_size``; under AMP ``grad_scale`` (the loss scale of this backward, a device
+        tensor: no host read) brings the unscaled residual to the bucket's units. The residual is
+        moved to ``flat``'s device and dtype (a residual loaded from a checkpoint is on the CPU).
+        Returns True if one was added.
         """
         self._used.add(key)
         res = self._res.get(key)
@@ -124,13 +138,17 @@ class ErrorFeedback:
                 (topo.world_size, topo.local_size, topo.rank, flat.numel()):
             self._drop(key, "topology or bucket size changed before it could be flushed")
             return False
+        res = res.to(device=flat.device)  # a checkpoint's residual is on the CPU, the bucket maybe not
+        if grad_scale is not None:
+            res = res * grad_scale.to(device=flat.device, dtype=res.dtype)
+        res = res.to(dtype=flat.dtype)
         if meta["method"] == "naive_ag":
-            flat.add_(res.to(flat.dtype), alpha=scale)
+            flat.add_(res, alpha=scale)
         else:  # hitopk: my chunk of the padded bucket
             a = meta["local_rank"] * res.numel()
             b = min(a + res.numel(), flat.numel())
-            if b > a:
-                flat[a:b].add_(res[: b - a].to(flat.dtype), alpha=scale)
+            if b > a:  # narrow, not slicing: also runs on fake CUDA tensors (tests/test_fake_cuda.py)
+                flat.narrow(0, a, b - a).add_(res.narrow(0, 0, b - a), alpha=scale)
         del self._res[key], self._meta[key]
         return True
 

@@ -80,6 +80,12 @@ def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Futu
         key = state.key_for(bucket)
         residual = (state.ef.residual(key, method=method, numel=flat.numel(), topo=topo, device=flat.device)
                     if cfg.error_feedback else None)
+        gscale = state.grad_scale if residual is not None else None
+        if gscale is not None:
+            # The residual is stored unscaled; the bucket is loss-scaled: bring it to this step's
+            # units, and back after the update below (a power of two: exact, no host sync).
+            gscale = gscale.to(device=residual.device, dtype=residual.dtype)
+            residual.mul_(gscale)
         # inplace: the hook owns the bucket buffer, so the result is built inside it (no copy).
         common = dict(density=cfg.density, selector=cfg.selector, residual=residual, fp16=fp16,
                       timer=state.timer, check_finite=cfg.nan_check, inplace=True, divide_by=world)
@@ -88,13 +94,15 @@ def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Futu
                                  final_gather=cfg.final_gather, **common)
         else:
             out, bad = naive_ag_ex(flat, topo, **common)
+        if gscale is not None:
+            residual.div_(gscale)
         if bad is not None:
             state.flags.add(bad)
         return _done(out)
     if cfg.error_feedback and state.ef and not warmup:
         # Switched from a sparse method (or a bucket fell under the size threshold): hand the
         # held-back residual (averaged units) to this dense reduction so it is not lost.
-        state.ef.flush_into(state.key_for(bucket), flat, topo, scale=world)
+        state.ef.flush_into(state.key_for(bucket), flat, topo, scale=world, grad_scale=state.grad_scale)
     if method == "torus":
         out = torus_allreduce(flat, topo, timer=state.timer, fp16=fp16, inplace=True, divide_by=world)
         return _done(_finish_dense(state, out, check))

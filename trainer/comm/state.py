@@ -69,6 +69,10 @@ class HookState:
     skipped_steps: int = 0
     switches: int = 0
     active_method: str | None = None
+    # The loss scale of the backward in progress (fp16 AMP: the GradScaler's scale tensor, on the
+    # device; None without loss scaling). Set by the training loop before backward; the hooks
+    # keep error-feedback residuals unscaled with it (see trainer.comm.error_feedback).
+    grad_scale: Tensor | None = field(default=None, repr=False)
     flags: StepFlags = field(default_factory=StepFlags, repr=False)
     fresh: bool = field(default=True, repr=False)  # no step finished since register()
     _param_names: dict[int, str] = field(default_factory=dict, repr=False)

@@ -1,0 +1,150 @@
+"""Resume failures name the file and say what to do; the whole run is validated before training;
+a re-used --out is refused instead of mixing two runs. Real trainer runs (``python -m trainer``, one
+rank, and torchrun with two ranks), real checkpoint files damaged the way disks and people do."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from datacache.config import ConfigError
+from tests.dist_utils import free_port
+from trainer import checkpoint
+from trainer.config import make_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _args(digits: dict, out: str, *extra: str) -> list[str]:
+    return ["--recipe", "digits", "--data", digits["train"], "--cache", digits["cache"], "--device", "cpu",
+            "--threads", "1", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "32", "--width", "4",
+            "--resolution", "16", "--val-every", "0", "--workers", "0", "--no-progress", "--out", out, *extra]
+
+
+def _train(digits: dict, out: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer", *_args(digits, out, *extra)], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("datacache-train: error: "), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(digits_data: dict, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A finished 2-epoch run with a mid-epoch checkpoint too (checkpoint every 2 steps, keep all)."""
+    out = str(tmp_path_factory.mktemp("resume") / "run")
+    proc = _train(digits_data, out, "--checkpoint-every", "2", "--keep-checkpoints", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+def _copy(trained: str, tmp_path) -> str:
+    out = str(tmp_path / "run")
+    shutil.copytree(trained, out)
+    return out
+
+
+def test_running_the_same_command_twice_is_refused_not_mixed(digits_data: dict, trained: str,
+                                                             tmp_path) -> None:
+    out = _copy(trained, tmp_path)
+    before = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    line = _one_error_line(_train(digits_data, out))
+    assert "already holds checkpoints" in line and "--resume auto" in line and "--overwrite" in line
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == before  # nothing touched
+    done = _train(digits_data, out, "--resume", "auto")  # continues it (already finished: no epochs left)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fresh = _train(digits_data, out, "--overwrite", "--keep-checkpoints", "1")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step00000006"]
+
+
+def test_truncated_train_pt_names_the_file(digits_data: dict, trained: str, tmp_path) -> None:
+    out = _copy(trained, tmp_path)
+    d = checkpoint.resolve("auto", out)
+    path = os.path.join(d, "train.pt")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    line = _one_error_line(_train(digits_data, out, "--resume", "auto"))
+    assert f"{path}: not a readable checkpoint file" in line and "--resume" in line and "--overwrite" in line
+
+
+def test_random_bytes_in_comm_rank1_names_the_file(trained: str, tmp_path) -> None:
+    out = _copy(trained, tmp_path)
+    d = checkpoint.resolve("auto", out)
+    bad = os.path.join(d, "comm_rank1.pt")
+    with open(bad, "wb") as f:
+        f.write(os.urandom(4096))
+    with pytest.raises(ConfigError) as err:
+        checkpoint.load(d, rank=1, world_size=2)
+    msg = str(err.value)
+    assert msg.startswith(f"{bad}: not a readable checkpoint file") and "\n" not in msg
+    checkpoint.load(d, rank=0, world_size=2)  # rank 0's own file is fine
+    # a readable file that is not a comm state: refused as well, naming it
+    import torch
+
+    torch.save({"step": "x"}, bad)
+    with pytest.raises(ConfigError, match=rf"{bad}: not a comm state"):
+        checkpoint.load(d, rank=1, world_size=2)
+
+
+@pytest.mark.parametrize(("flags", "what"), [(("--optimizer", "lars"), "optimizer"),
+                                             (("--width", "8"), "width"),
+                                             (("--model", "small_resnet"), "model")])
+def test_another_optimizer_or_model_is_refused_naming_train_pt(digits_data: dict, trained: str, tmp_path,
+                                                               flags: tuple[str, str], what: str) -> None:
+    out = _copy(trained, tmp_path)
+    d = checkpoint.resolve("auto", out)
+    line = _one_error_line(_train(digits_data, out, "--resume", d, "--epochs", "3", *flags))
+    assert f"{d}/train.pt: the checkpoint was made with another {what}" in line
+    assert f"resume with --{what}" in line
+
+
+def test_another_world_size_mid_epoch_is_refused_before_anything_is_loaded(digits_data: dict, trained: str,
+                                                                          tmp_path) -> None:
+    out = _copy(trained, tmp_path)
+    mid = os.path.join(out, "checkpoints", "step00000002")  # epoch 1, step 2 of 3: mid-epoch
+    assert checkpoint.load(mid, 0, 1).pos.step == 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer",
+           *_args(digits_data, out, "--resume", mid)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"{mid}/train.pt: saved mid-epoch with 1 ranks, now 2" in proc.stderr, proc.stderr[-3000:]
+    assert "dropping residual" not in proc.stderr + proc.stdout  # nothing was loaded before the refusal
+
+
+def test_a_batch_phase_that_cannot_run_fails_at_start(digits_data: dict, tmp_path) -> None:
+    out = str(tmp_path / "run")
+    line = _one_error_line(_train(digits_data, out, "--batch-size", "0:32,1:5000"))
+    assert "batch_size 5000 (schedule epoch 1: the run's epoch 2" in line and "training samples" in line
+    assert not os.path.exists(os.path.join(out, "checkpoints"))  # refused before any training
+
+
+def test_validate_run_checks_every_phase_against_ranks_and_data() -> None:
+    cfg = make_config(batch_size="0:64,5:96,9:1000", epochs=10)
+    cfg.validate_run(1, 2000)
+    cfg.validate_run(2, 2000)
+    with pytest.raises(ConfigError, match=r"batch_size 64 .*does not split over 3 ranks"):
+        cfg.validate_run(3, 2000)
+    with pytest.raises(ConfigError, match=r"batch_size 1000 \(schedule epoch 9: the run's epoch 10"):
+        cfg.validate_run(2, 998)  # 499 per rank < 500
+    make_config(batch_size="0:64,20:1000", epochs=10).validate_run(1, 100)  # a phase that never runs
+    with pytest.raises(ConfigError, match="batch_size 96"):
+        make_config(batch_size="96", batch_per_rank=True, epochs=1).validate_run(4, 300)
