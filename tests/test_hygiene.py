@@ -98,5 +98,6 @@ def test_stdlib_only_modules_run_on_a_bare_python3() -> None:
 
     code = "import datacache.redis_local, datacache.local_status; print('ok')"
     boot = f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-    out = subprocess.run([sys.executable, "-S", "-c", boot + code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-S", "-c", boot + code], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-
 import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
