@@ -112,6 +112,8 @@ def make_server(daemon: Any, host: str, port: int) -> ThreadingHTTPServer:
             # the stdlib's own refusals (bad request line, oversize or too many headers, bad version):
             # JSON like ours, and the connection is closed (the rest of the request is not trusted)
             self.close_connection = True
+            if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":  # unparsed line: answer HTTP/1.0
+                self.request_version = "HTTP/1.0"
             with contextlib.suppress(OSError):  # the client already went away
                 self._json(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
@@ -168,7 +170,10 @@ def make_server(daemon: Any, host: str, port: int) -> ThreadingHTTPServer:
                 self._json(201, {"registered": ident})
             else:
                 self._authorise()
-                ident = urllib.parse.unquote(path[len("/datasets/"):], errors="strict")
+                try:
+                    ident = urllib.parse.unquote(path[len("/datasets/"):], errors="strict")
+                except UnicodeDecodeError:
+                    raise RequestError(400, "dataset id is not URL-quoted UTF-8") from None
                 try:
                     removed = daemon.unregister(ident)
                 except ValueError as e:
