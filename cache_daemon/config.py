@@ -206,13 +206,13 @@ class DaemonConfig:
                 normalize_source(prefix)
             except ConfigError as e:
                 raise ConfigError(f"daemon config: key 'allowed_sources': {e}") from None
-        if self.api_token and self.api_token_file:
-            raise ConfigError("daemon config: set one of 'api_token' and 'api_token_file', not both")
-        if self.api_token_file:
+        # api_token (e.g. from DATACACHE_DAEMON_API_TOKEN) wins over api_token_file; the file's token is
+        # stored in api_token, so dataclasses.replace() keeps it without reading the file again
+        if self.api_token_file and not self.api_token:
             try:
                 with open(self.api_token_file, encoding="utf-8") as f:
                     token = f.read(4097).strip()
-            except (OSError, UnicodeDecodeError) as e:
+            except (OSError, ValueError) as e:  # ValueError: undecodable text or a NUL in the path
                 raise ConfigError(f"daemon config: key 'api_token_file': cannot read {self.api_token_file} "
                                   f"({type(e).__name__}); create it with a random token") from None
             object.__setattr__(self, "api_token", token)
