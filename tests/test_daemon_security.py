@@ -351,3 +351,21 @@ def test_fuzzed_requests_never_get_5xx_and_the_server_survives(daemon_factory, s
     for ident in _registry(d):
         assert ident.decode().startswith(small_imagefolder + "|")
     assert _http(d.port, "GET", "/health")[0] == 200
+
+
+@needs_redis
+def test_warm_via_daemon_sends_the_token_from_a_file(daemon_factory, imagefolder_factory, tmp_path,
+                                                     monkeypatch, capsys) -> None:
+    from datacache.cli import main as datacache_main
+
+    root = imagefolder_factory(classes=1, per_class=2)
+    d = daemon_factory(api_token=TOKEN, allowed_sources=(root,))
+    base = f"http://127.0.0.1:{d.port}"
+    monkeypatch.delenv("DATACACHE_DAEMON_API_TOKEN", raising=False)
+    assert datacache_main(["warm", root, "--via-daemon", base, "--short-side", "32"]) != 0
+    assert "401" in capsys.readouterr().err and _registry(d) == {}
+    tok = tmp_path / "token"
+    tok.write_text(TOKEN + "\n")
+    assert datacache_main(["warm", root, "--via-daemon", base, "--short-side", "32",
+                           "--api-token-file", str(tok)]) == 0
+    assert len(_registry(d)) == 1
