@@ -26,8 +26,9 @@ examples:
 
 Config keys (TOML, or DATACACHE_DAEMON_<KEY> in the environment): cache, node, redis_node, ownership
 (cluster|hash|all), rank, world_size, workers, decoder (pillow|dali), memory_budget, http_host, http_port,
-poll_interval, pass_timeout, drain_timeout, t1_dir, t1_max_bytes, and [[datasets]] tables (source,
-short_side, encoding, revalidate).
+poll_interval, t1_dir, t1_max_bytes, pass_timeout, drain_timeout, api_token / api_token_file,
+allowed_sources (URL prefixes POST /datasets may register; comma-separated in the environment),
+max_registrations, and [[datasets]] tables (source, short_side 1..2048, encoding, revalidate).
 """
 
 
@@ -80,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       for s in args.dataset)
         cfg = replace(cfg, datasets=cfg.datasets + extra)
         if args.check:
-            print(json.dumps(asdict(cfg), indent=1, default=str))
+            shown = asdict(cfg)
+            shown["api_token"] = "<set>" if cfg.api_token else ""  # never print the secret itself
+            print(json.dumps(shown, indent=1, default=str))
             return 0
         from cache_daemon.service import Daemon
 

@@ -15,9 +15,13 @@ Example (``deploy/daemon.toml`` is the documented template)::
     pass_timeout = 0                             # a pass running longer fails /health (0 = from the work)
     drain_timeout = 30.0                         # SIGTERM: drain at most this long, then kill the pool
 
+    api_token_file = "/etc/datacache/api-token"  # or api_token = "..."; needed for POST/DELETE /datasets
+    allowed_sources = ["/mnt/nfs/imagenet"]      # URL prefixes that POST /datasets may register from
+    max_registrations = 16                       # registrations kept in Redis at most
+
     [[datasets]]
     source = "/mnt/nfs/imagenet/train"
-    short_side = 160
+    short_side = 160                             # 1..2048
 
 Every top-level key can be overridden by ``DATACACHE_DAEMON_<KEY>`` (upper case), e.g.
 ``DATACACHE_DAEMON_CACHE=redis://127.0.0.1:6379``, ``DATACACHE_DAEMON_HTTP_PORT=9000``. An unknown key,
@@ -33,8 +37,10 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import socket
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -45,6 +51,40 @@ OWNERSHIP_CHOICES = ("cluster", "hash", "all")
 DECODER_CHOICES = ("pillow", "dali")
 ENV_PREFIX = "DATACACHE_DAEMON_"
 DEFAULT_CONFIG = "/etc/datacache/daemon.toml"
+SHORT_SIDE_MAX = 2048  # a 2048-px raw record is ~25 MB; larger is a mistake, not a variant
+MAX_REGISTRATIONS_MAX = 1024
+
+
+def normalize_source(url: str) -> tuple[str, str, str]:
+    """(scheme, host, path) of a source for prefix checks: local paths resolved (``..``, symlinks),
+    URL paths normalised (``..`` removed), scheme and host lower-cased. Raises ConfigError for junk."""
+    if not isinstance(url, str) or not url or "\x00" in url:
+        raise ConfigError(f"source {url!r} must be a non-empty path or URL")
+    if "://" not in url or url.startswith("file://"):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return "file", "", os.path.realpath(os.path.abspath(path))
+    try:
+        u = urllib.parse.urlsplit(url)
+        host = (u.hostname or "").lower()
+        port = f":{u.port}" if u.port is not None else ""
+    except ValueError as e:
+        raise ConfigError(f"source {url!r} is not a valid URL ({e})") from None
+    path = posixpath.normpath("/" + u.path.lstrip("/")) if u.path else "/"
+    return u.scheme.lower(), host + port, path.replace("//", "/")
+
+
+def source_allowed(source: str, allowed: tuple[str, ...]) -> bool:
+    """True when ``source`` lies under one of the ``allowed`` prefixes (same scheme and host, path equal
+    or below on a segment boundary: ``/data/imagenet-evil`` is not under ``/data/imagenet``)."""
+    try:
+        scheme, host, path = normalize_source(source)
+    except ConfigError:
+        return False
+    for prefix in allowed:
+        ps, ph, pp = normalize_source(prefix)
+        if (ps, ph) == (scheme, host) and (path == pp or path.startswith(pp.rstrip("/") + "/")):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -74,16 +114,24 @@ class DatasetSpec:
         if not isinstance(d.get("source"), str) or not d["source"]:
             raise ConfigError(f"{where}: dataset key 'source' must be a non-empty string (a path or fsspec "
                               "URL)")
+        if len(d["source"]) > 4096 or "\x00" in d["source"]:
+            raise ConfigError(f"{where}: dataset key 'source' must be a path or URL of at most 4096 "
+                              "characters")
         short = d.get("short_side", 160)
-        if not isinstance(short, int) or isinstance(short, bool) or short < 1:
-            raise ConfigError(f"{where}: dataset key 'short_side' must be a positive integer, got {short!r}")
-        spec = cls(source=d["source"], short_side=short, encoding=d.get("encoding", "raw"),
-                   revalidate=d.get("revalidate", "dirs"))
-        spec.variant()  # validates encoding (ConfigError lists the choices)
-        from datacache.manifest import check_revalidate
+        if not isinstance(short, int) or isinstance(short, bool) or not 1 <= short <= SHORT_SIDE_MAX:
+            raise ConfigError(f"{where}: dataset key 'short_side' must be an integer in 1..{SHORT_SIDE_MAX}, "
+                              f"got {short!r}")
+        from datacache.config import ENCODING_CHOICES
+        from datacache.manifest import REVALIDATE_CHOICES
 
-        check_revalidate(spec.revalidate)
-        return spec
+        for key, default, choices in (("encoding", "raw", ENCODING_CHOICES),
+                                      ("revalidate", "dirs", REVALIDATE_CHOICES)):
+            value = d.get(key, default)
+            if not isinstance(value, str) or value not in choices:
+                raise ConfigError(f"{where}: dataset key {key!r} = {value!r} is not valid; choose one of "
+                                  f"{', '.join(choices)}")
+        return cls(source=d["source"], short_side=short, encoding=d.get("encoding", "raw"),
+                   revalidate=d.get("revalidate", "dirs"))
 
 
 @dataclass(frozen=True)
@@ -106,6 +154,10 @@ class DaemonConfig:
     drain_timeout: float = 30.0  # seconds SIGTERM waits for the drain before it kills the decode pool
     t1_dir: str = "default"
     t1_max_bytes: int = 0
+    api_token: str = field(default="", repr=False)
+    api_token_file: str = ""
+    allowed_sources: tuple[str, ...] = ()
+    max_registrations: int = 16
     datasets: tuple[DatasetSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -126,18 +178,53 @@ class DaemonConfig:
         if own == "hash" and not 0 <= self.rank < self.world_size:
             raise ConfigError(f"daemon config: rank must be in 0..world_size-1 "
                               f"(world_size={self.world_size}), got {self.rank}")
-        for name in ("workers", "http_port", "memory_budget", "t1_max_bytes"):
+        for name in ("workers", "memory_budget", "t1_max_bytes", "rank"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"daemon config: key {name!r} must be >= 0, got {getattr(self, name)}")
+        if self.world_size < 1:
+            raise ConfigError(f"daemon config: key 'world_size' must be >= 1, got {self.world_size}")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"daemon config: key 'http_port' must be in 0..65535 (0 = any free port), "
+                              f"got {self.http_port}")
+        if not 1 <= self.max_registrations <= MAX_REGISTRATIONS_MAX:
+            raise ConfigError(f"daemon config: key 'max_registrations' must be in "
+                              f"1..{MAX_REGISTRATIONS_MAX}, got {self.max_registrations}")
+        for name in ("node", "http_host"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"daemon config: key {name!r} must be a non-empty string")
+        if self.redis_node:
+            host, _, port = self.redis_node.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ConfigError(f"daemon config: key 'redis_node' must be host:port with a port in "
+                                  f"1..65535, got {self.redis_node!r}")
+        v = self.poll_interval
+        if not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"daemon config: key 'poll_interval' must be a finite number of seconds > 0, "
+                              f"got {v}")
         for name, low in (("pass_timeout", 0.0), ("drain_timeout", 0.1)):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= low):
                 hint = " (0 = derived from the work)" if name == "pass_timeout" else ""
                 raise ConfigError(f"daemon config: key {name!r} must be a finite number of seconds >= "
                                   f"{low:g}{hint}, got {v}")
-        if self.poll_interval <= 0:
-            raise ConfigError(f"daemon config: key 'poll_interval' must be > 0 seconds, "
-                              f"got {self.poll_interval}")
+        for prefix in self.allowed_sources:
+            try:
+                normalize_source(prefix)
+            except ConfigError as e:
+                raise ConfigError(f"daemon config: key 'allowed_sources': {e}") from None
+        # api_token (e.g. from DATACACHE_DAEMON_API_TOKEN) wins over api_token_file; the file's token is
+        # stored in api_token, so dataclasses.replace() keeps it without reading the file again
+        if self.api_token_file and not self.api_token:
+            try:
+                with open(self.api_token_file, encoding="utf-8") as f:
+                    token = f.read(4097).strip()
+            except (OSError, ValueError) as e:  # ValueError: undecodable text or a NUL in the path
+                raise ConfigError(f"daemon config: key 'api_token_file': cannot read {self.api_token_file} "
+                                  f"({type(e).__name__}); create it with a random token") from None
+            object.__setattr__(self, "api_token", token)
+        if self.api_token and not 16 <= len(self.api_token) <= 4096:
+            raise ConfigError("daemon config: the API token must be 16..4096 characters "
+                              "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -148,15 +235,25 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 _KINDS = {"cache": str, "node": str, "redis_node": str, "ownership": str, "rank": int, "world_size": int,
           "workers": int, "decoder": str, "memory_budget": "bytes", "http_host": str, "http_port": int,
-          "poll_interval": float, "pass_timeout": float, "drain_timeout": float, "t1_dir": str,
-          "t1_max_bytes": "bytes"}
+          "poll_interval": float, "t1_dir": str, "t1_max_bytes": "bytes", "pass_timeout": float,
+          "drain_timeout": float, "api_token": str, "api_token_file": str, "allowed_sources": "list",
+          "max_registrations": int}
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
     kind = _KINDS[key]
+    if kind == "list":  # a TOML array of strings, or a comma-separated string (environment)
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(x, str) and x.strip() for x in items):
+            raise ConfigError(f"{where}: key {key!r} must be a list of non-empty strings (URL prefixes), "
+                              f"got {value!r}")
+        return tuple(x.strip() for x in items)
     if kind == "bytes":
-        v = parse_bytes(str(value)) if not isinstance(value, bool) else None
-        if v is None:
+        try:
+            v = parse_bytes(str(value)) if not isinstance(value, bool) else None
+        except (ValueError, OverflowError):
+            v = None
+        if v is None or v < 0:
             raise ConfigError(f"{where}: key {key!r} must be a byte size such as 200GiB or 1000000, "
                               f"got {value!r}")
         return v
@@ -168,7 +265,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
     if kind is float and isinstance(value, (str, int)) and not isinstance(value, bool):
         try:
             return float(value)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ConfigError(f"{where}: key {key!r} must be a number of seconds, got {value!r}") from None
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ConfigError(f"{where}: key {key!r} must be {kind.__name__}, got {value!r}")

@@ -34,12 +34,13 @@ import threading
 import time
 from typing import Any
 
-from cache_daemon.config import DaemonConfig, DatasetSpec
+from cache_daemon.config import DaemonConfig, DatasetSpec, source_allowed
 from cache_daemon.decoders import make_decoder
 from cache_daemon.ingest import DatasetState, ingest_pass
-from cache_daemon.registry import register, registered
+from cache_daemon.registry import register, registered, unregister
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
+from datacache.config import ConfigError
 from datacache.decodepool import DecodePool
 from datacache.fillstatus import read_fill, summarize
 
@@ -82,19 +83,44 @@ class Daemon:
                     if d["fingerprint"] else None
             except Exception as e:
                 d["cluster"] = {"error": f"{type(e).__name__}: {e}"}
+        # source URLs are shown (operators need them); file contents never are (decode reasons carry sizes)
         return {"node": self.cfg.node, "cache": self.store.url, "ownership": self.cfg.ownership,
-                "redis_node": self.cfg.redis_node, "decoder": self.cfg.decoder, "datasets": datasets,
-                "loop": self.loop_status()}
+                "redis_node": self.cfg.redis_node, "decoder": self.cfg.decoder,
+                "registration": {"enabled": bool(self.cfg.api_token and self.cfg.allowed_sources),
+                                 "allowed_sources": list(self.cfg.allowed_sources),
+                                 "max_registrations": self.cfg.max_registrations},
+                "datasets": datasets, "loop": self.loop_status()}
 
     def register(self, body: Any) -> str:
-        """Validate and register a dataset (POST /datasets); raises ValueError with the reason."""
+        """Validate and register a dataset (POST /datasets); raises ConfigError with the reason. The
+        source must lie under ``allowed_sources``; nothing is read or contacted before that check."""
         spec = DatasetSpec.from_dict(body, "POST /datasets")
-        register(self.store, spec)
+        if not self.cfg.allowed_sources:
+            raise PermissionError("this daemon accepts no registrations over HTTP: allowed_sources is "
+                                  "empty (list the permitted URL prefixes in daemon.toml, or add the dataset "
+                                  "there)")
+        if not source_allowed(spec.source, self.cfg.allowed_sources):
+            raise PermissionError(f"source {spec.source!r} is outside allowed_sources "
+                                  f"({', '.join(self.cfg.allowed_sources)})")
+        register(self.store, spec, max_registrations=self.cfg.max_registrations)
         with self.lock:
             self.states.setdefault(spec.ident(), DatasetState(spec))
         self.wake.set()
         log.info("registered %s", spec.ident())
         return spec.ident()
+
+    def unregister(self, ident: str) -> bool:
+        """Remove a registration (DELETE /datasets/{id}); ConfigError for a config dataset, False when
+        no such registration exists."""
+        if any(d.ident() == ident for d in self.cfg.datasets):
+            raise ConfigError(f"dataset {ident!r} comes from this daemon's config file and cannot be deleted "
+                              "over HTTP; remove it from daemon.toml and restart")
+        removed = unregister(self.store, ident)
+        with self.lock:
+            self.states.pop(ident, None)
+        if removed:
+            log.info("unregistered %s", ident)
+        return removed
 
     # ------------------------------------------------------------ main loop
     def loop_status(self) -> dict[str, Any]:
@@ -129,7 +155,7 @@ class Daemon:
         """The pass thread (see the module docstring); returns when stopped or, with ``once``, done."""
         while not self.stop.is_set():
             try:
-                for spec in registered(self.store):
+                for spec in registered(self.store, self.cfg.allowed_sources):
                     with self.lock:
                         self.states.setdefault(spec.ident(), DatasetState(spec))
                 with self.lock:

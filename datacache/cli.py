@@ -137,7 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--via-daemon", metavar="URL",
                    help="do not decode here: register SOURCE with the cache daemons (POST URL/datasets, e.g. "
-                        "http://127.0.0.1:8470); every daemon then ingests its own share")
+                        "http://127.0.0.1:8470); every daemon then ingests its own share. Sends the "
+                        "daemon's API token from --api-token-file or $DATACACHE_DAEMON_API_TOKEN")
+    w.add_argument("--api-token-file", metavar="FILE",
+                   help="file holding the daemon's API token (with --via-daemon; default: "
+                        "$DATACACHE_DAEMON_API_TOKEN)")
     _add_source_options(w)
 
     pl = sub.add_parser(
@@ -213,7 +217,17 @@ def _register_with_daemon(args: argparse.Namespace) -> int:
     url = args.via_daemon.rstrip("/") + "/datasets"
     body = json.dumps({"source": args.source, "short_side": args.short_side,
                        "revalidate": args.revalidate}).encode()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json"}
+    token = os.environ.get("DATACACHE_DAEMON_API_TOKEN", "")
+    if args.api_token_file:
+        try:
+            with open(args.api_token_file, encoding="utf-8") as f:
+                token = f.read(4097).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise OSError(f"{args.api_token_file}: cannot read the API token ({type(e).__name__})") from None
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             reply = json.loads(resp.read())

@@ -349,7 +349,7 @@ def decode_image(data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.
     except DecodeError:
         raise
     except UnidentifiedImageError:
-        raise DecodeError(name, f"not a recognised image ({len(data)} bytes, starts with {data[:8]!r}); "
+        raise DecodeError(name, f"not a decodable image ({len(data)} bytes); "
                           "remove the file or replace it with a valid image") from None
     except Image.DecompressionBombError as e:
         raise DecodeError(name, f"{e}; downscale the file offline") from None

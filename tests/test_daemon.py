@@ -166,11 +166,15 @@ def test_sigterm_drains_and_exits_0(redis_url: str, redis_server, imagefolder_fa
 
 
 @needs_redis
-def test_http_endpoints_registration_and_wait_warm(redis_url: str, imagefolder_factory, tmp_path) -> None:
+def test_http_endpoints_registration_and_wait_warm(redis_url: str, imagefolder_factory, tmp_path,
+                                                   monkeypatch) -> None:
     from client.dataset import CachedImageNet
     from datacache.cli import main as datacache_main
 
     root = imagefolder_factory(classes=2, per_class=6, size=(80, 60))
+    # registration needs a token (the daemon and `warm --via-daemon` both read it from here) and a prefix
+    monkeypatch.setenv("DATACACHE_DAEMON_API_TOKEN", "t" * 32)
+    monkeypatch.setenv("DATACACHE_DAEMON_ALLOWED_SOURCES", os.path.dirname(root))
     port = free_port()
     log = str(tmp_path / "d.log")
     p = start_daemon("--cache", redis_url, "--http-port", str(port), "--node", "n1", log=log)
@@ -186,7 +190,8 @@ def test_http_endpoints_registration_and_wait_warm(redis_url: str, imagefolder_f
                 assert time.monotonic() < deadline, read(log)
                 time.sleep(0.1)
         assert health["ok"] and health["node"] == "n1"
-        bad = urllib.request.Request(base + "/datasets", data=b'{"short_side": 32}', method="POST")
+        bad = urllib.request.Request(base + "/datasets", data=b'{"short_side": 32}', method="POST",
+                                     headers={"Authorization": "Bearer " + "t" * 32})
         with pytest.raises(urllib.error.HTTPError) as ei:
             urllib.request.urlopen(bad, timeout=5)
         assert ei.value.code == 400 and "'source'" in ei.value.read().decode()

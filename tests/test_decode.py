@@ -120,7 +120,7 @@ def test_broken_files_raise_decode_error(bad_imagefolder: str, bad_cases: dict, 
 
 
 def test_non_image_raises(bad_imagefolder: str, bad_cases: dict) -> None:
-    with pytest.raises(DecodeError, match="not a recognised image"):
+    with pytest.raises(DecodeError, match="not a decodable image"):
         decode_image(read(bad_imagefolder, bad_cases["non_image"]), V, name="notes.txt")
 
 

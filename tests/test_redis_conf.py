@@ -93,6 +93,14 @@ def test_store_daemon_and_fill_paths_work_as_the_datacache_user(conf_cluster, tm
         report_fill(s, "0123456789abcdef", "t160", "n1", owned=10, done=4, quarantined=0, total=20, rate=1.5)
         fill = read_fill(s, "0123456789abcdef", "t160")
         assert fill["n1"]["done"] == 4 and summarize(fill, 20)["done"] == 4
+        # the registry of POST / DELETE /datasets (HSET, HGETALL, HDEL on dcd:datasets)
+        from cache_daemon.config import DatasetSpec
+        from cache_daemon.registry import register, registered, unregister
+
+        spec = DatasetSpec(source=str(tmp_path / "reg"))
+        register(s, spec, max_registrations=4)
+        assert [d.ident() for d in registered(s, (str(tmp_path),))] == [spec.ident()]
+        assert unregister(s, spec.ident()) and registered(s, (str(tmp_path),)) == []
         assert s.counters()["write_errors"] == 0 and s.counters()["read_errors"] == 0
     finally:
         s.close()

@@ -259,6 +259,10 @@ class RedisClusterStore(RedisStoreBase):
         """HSET of a daemon report on the master of ``name``'s slot; raises on failure."""
         self._master_client(name).hset(name, field, value)
 
+    def status_del(self, name: bytes, field: str) -> int:
+        """HDEL of one field (a daemon registry entry); the number removed (0 or 1)."""
+        return int(self._master_client(name).hdel(name, field))
+
     def status_get(self, name: bytes) -> dict[bytes, bytes]:
         return dict(self._master_client(name).hgetall(name))
 

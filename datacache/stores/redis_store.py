@@ -87,6 +87,10 @@ class RedisStore(RedisStoreBase):
         """HSET of a daemon report (:mod:`datacache.fillstatus`); raises on failure (callers decide)."""
         self.client().hset(name, field, value)
 
+    def status_del(self, name: bytes, field: str) -> int:
+        """HDEL of one field (a daemon registry entry); the number removed (0 or 1)."""
+        return int(self.client().hdel(name, field))
+
     def status_get(self, name: bytes) -> dict[bytes, bytes]:
         return dict(self.client().hgetall(name))
 
