@@ -183,8 +183,11 @@ def _toml_scalar(key: str, v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return "[" + ", ".join(json.dumps(x) for x in v) + "]"  # e.g. allowed_sources
     raise EmuError(f"daemon template: key {key!r} has a value of type {type(v).__name__} that "
-                   "bench/emucluster.py cannot write back (scalars and [[datasets]] tables only)")
+                   "bench/emucluster.py cannot write back (scalars, lists of strings and [[datasets]] "
+                   "tables only)")
 
 
 def fill_daemon_toml(template: str, overrides: Mapping[str, Any],

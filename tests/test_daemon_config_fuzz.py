@@ -24,7 +24,7 @@ BAD = [  # (toml after BASE, words the error must contain)
     ('poll_interval = nan\n', ["poll_interval", "finite"]),
     ('poll_interval = inf\n', ["poll_interval", "finite"]),
     ('poll_interval = 0\n', ["poll_interval", "> 0"]),
-    ('pass_timeout = -3.0\n', ["pass_timeout", "> 0"]),
+    ('pass_timeout = -3.0\n', ["pass_timeout", ">= 0"]),
     ('drain_timeout = inf\n', ["drain_timeout", "finite"]),
     ('world_size = 0\n', ["world_size", ">= 1"]),
     ('max_registrations = 0\n', ["max_registrations", "1..1024"]),
