@@ -41,8 +41,10 @@ DEFAULT_FETCH_BYTES = 2 << 20
 CERT_REQS = ("none", "optional", "required")
 
 COMMON_OPTIONS: dict[str, OptionSpec] = {
-    "socket_timeout": OptionSpec("float", "seconds to wait for a reply (default 2)"),
-    "connect_timeout": OptionSpec("float", "seconds to wait for a connection (default 1)"),
+    "socket_timeout": OptionSpec("float", "seconds to wait for a reply (default 2; > 0 and <= 3600)",
+                                 positive=True, maximum=3600.0),
+    "connect_timeout": OptionSpec("float", "seconds to wait for a connection (default 1; > 0 and <= 3600)",
+                                  positive=True, maximum=3600.0),
     "fetch_bytes": OptionSpec("bytes", "reply bytes per round trip (default 2MiB)", minimum=1),
     "client_name": OptionSpec("str", "CLIENT SETNAME shown by CLIENT LIST"),
     "ssl_ca_certs": OptionSpec("str", "CA bundle file (TLS)"),
@@ -154,10 +156,17 @@ def advice(exc: BaseException, url: str) -> str:
     return ""
 
 
-def check_credentials(client: Any, url: str) -> None:
-    """PING with ``client``: a wrong password / ACL user raises ConfigError; a server that is down warns."""
+def check_credentials(client: Any, url: str, *, cluster: bool = False) -> None:
+    """PING with ``client``: a wrong password / ACL user raises ConfigError; a server that is down warns.
+    ``cluster``: the server must run in cluster mode, else ConfigError -- a standalone server behind
+    ``redis+cluster://`` answers no ``CLUSTER SLOTS`` and every lookup would be a miss forever. Asked
+    with ``CLUSTER SLOTS`` itself (the command the store routes with, so an ACL user has it)."""
     try:
         client.ping()
+        if cluster:
+            _require_cluster_mode(client, url)
+    except ConfigError:
+        raise
     except Exception as e:
         if is_auth_error(e):
             raise ConfigError(f"cache {url}: {type(e).__name__}: {e}. {advice(e, url)}") from None
@@ -166,6 +175,19 @@ def check_credentials(client: Any, url: str) -> None:
     finally:
         with contextlib.suppress(Exception):  # closing a client that never connected is not worth a crash
             client.close()
+
+
+def _require_cluster_mode(client: Any, url: str) -> None:
+    import redis.exceptions as rex
+
+    try:
+        client.execute_command("CLUSTER SLOTS")
+    except rex.ResponseError as e:
+        if "cluster support disabled" in str(e).lower() or "unknown" in str(e).lower():
+            raise ConfigError(f"cache {url}: the server is not in cluster mode (it answered {e}); use "
+                              "redis://host:port for one server, or start it with 'cluster-enabled yes'"
+                              ) from None
+        raise
 
 
 def server_info(client: Any) -> dict[str, Any]:
