@@ -51,6 +51,7 @@ from datacache.stores.redis_common import (
 from datacache.stores.resp import pipelined_get
 
 NSLOTS = 16384
+_UNWRITTEN = object()  # the reply stand-in of a write whose master failed (an error, counted as one)
 _REFRESH_EVERY_S = 0.5
 
 
@@ -240,7 +241,10 @@ class RedisClusterStore(RedisStoreBase):
         def op(client: Any, pos: list[int]) -> list[Any]:
             return pipe_set(client, [items[p] for p in pos], overwrite)
 
-        return sum(1 for r in self._fan_out([k for k, _ in items], op, "write", None) if r is True)
+        # A master that failed gives _UNWRITTEN for its keys (already counted as write errors), so
+        # they are neither "written" nor "present".
+        replies = self._fan_out([k for k, _ in items], op, "write", _UNWRITTEN)
+        return self._count_set_replies(replies)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         def op(client: Any, pos: list[int]) -> list[Any]:

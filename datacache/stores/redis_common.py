@@ -231,6 +231,15 @@ class RedisStoreBase(BaseStore):
         """Reply bytes expected for ``n`` values (running mean, else the hint): sizes the read buffer."""
         return int(n * (self._mean_value or self._value_hint))
 
+    def _count_set_replies(self, replies: Sequence[Any]) -> int:
+        """Count the replies of one ``SET [NX]`` pipeline honestly: ``True`` (OK) is written; ``None``
+        (NX found the key) is ``present``; error replies are write errors (counted by the caller via
+        :meth:`_reply_errors`). Returns the number written (what the server acknowledged)."""
+        present = sum(1 for r in replies if r is None)
+        if present:
+            self._count("present", present)
+        return sum(1 for r in replies if r is True)
+
     def _reply_errors(self, kind: str, replies: Sequence[Any]) -> list[Exception]:
         """The per-key error replies of one pipeline, counted as one partial failure of ``kind``
         (``read``/``write``); the caller treats those keys as misses / unwritten."""

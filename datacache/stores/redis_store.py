@@ -78,7 +78,7 @@ class RedisStore(RedisStoreBase):
     def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
         replies = pipe_set(self.client(), items, overwrite)
         self._reply_errors("write", replies)  # per-command errors (OOM at maxmemory): write errors
-        return sum(1 for r in replies if r is True)
+        return self._count_set_replies(replies)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         return [r == 1 for r in pipe_exists(self.client(), keys)]  # an error reply is "not there"
