@@ -208,8 +208,9 @@ class RedisClusterStore(RedisStoreBase):
             self._refresh_in_background()
 
         def one(node: int, pos: list[int]) -> tuple[list[int], list[Any] | BaseException]:
-            try:
-                return pos, op(self.client(nodes[node]), pos)
+            addr = nodes[node]
+            try:  # through the node's breaker: a frozen master is not waited on batch after batch
+                return pos, self._guarded(addr, lambda: op(self.client(addr), pos), len(pos))
             except Exception as e:  # a dead or unreachable master: its keys are misses
                 return pos, e
 

@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
 from datacache.cacheurl import OptionSpec, StoreSpec, redact
 from datacache.config import ConfigError
 from datacache.stores.base import BaseStore
+from datacache.stores.breaker import BreakerOpen, Breakers
+
+PROBE_TIMEOUT_S = 0.5  # the breaker's PING waits at most this (or socket_timeout when shorter)
 
 log = logging.getLogger("datacache.stores.redis")
 
@@ -220,6 +224,67 @@ class RedisStoreBase(BaseStore):
     """What the standalone and the cluster store share (their own modules hold the rest)."""
 
     remote = True  # a network tier: TieredStore writes to it in the background
+    spec: StoreSpec
+    tls: bool
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._breakers_obj: Breakers | None = None
+        self._breakers_pid = -1
+        self._counters.update(breaker_skipped=0)
+
+    def _process_attrs(self) -> tuple[str, ...]:
+        return (*super()._process_attrs(), "_breakers_obj", "_breakers_pid")
+
+    def breakers(self) -> Breakers:
+        """This process's per-node circuit breakers (:mod:`datacache.stores.breaker`). Fork boundary: a
+        forked DataLoader worker gets fresh ones (the parent's lock may be held, its probe threads
+        were not copied), checked by pid because the standalone store does not reset on fork."""
+        if self._breakers_obj is None or self._breakers_pid != os.getpid():
+            self._breakers_obj = Breakers(self._probe_ping)
+            self._breakers_pid = os.getpid()
+        return self._breakers_obj
+
+    def _probe_ping(self, addr: str) -> None:
+        """PING ``addr`` over a fresh connection with a short timeout (the breaker's probe thread)."""
+        import redis
+
+        host, port = parse_hostport(addr, self.url)
+        kw = connection_kwargs(self.spec, tls=self.tls)
+        kw["socket_timeout"] = min(PROBE_TIMEOUT_S, kw["socket_timeout"])
+        kw["socket_connect_timeout"] = min(PROBE_TIMEOUT_S, kw["socket_connect_timeout"])
+        client = redis.Redis(host=host, port=port, **kw)
+        try:
+            client.ping()
+        finally:
+            client.close()
+
+    def _guarded(self, addr: str, call: Callable[[], Any], n: int) -> Any:
+        """``call()`` to node ``addr`` through its breaker: refused without a network call while open
+        (``n`` keys counted in ``breaker_skipped``); a timeout or refused connection opens it."""
+        br = self.breakers()
+        if not br.allow(addr):
+            self._count("breaker_skipped", n)
+            raise BreakerOpen(f"{addr}: circuit open after timeouts/refusals (probed in the background)")
+        try:
+            return call()
+        except Exception as e:
+            br.failure(addr, e)
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["breakers"] = self.breakers().state()
+        return out
+
+    def health(self) -> dict[str, Any]:
+        out = super().health()
+        opened = self.breakers().open_nodes()
+        out["breakers"] = self.breakers().state()
+        if opened:
+            out["ok"] = False
+            out["detail"] = f"{out['detail']}; circuit open for {', '.join(opened)}"
+        return out
 
     def _is_unavailable(self, exc: BaseException) -> bool:
         return is_unavailable(exc)
