@@ -10,6 +10,7 @@ Verified by hand with redis-py 5.0.8, 5.2.1 and 8.1.0 (tests/test_redis_stores.p
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -25,19 +26,22 @@ def _pool_class(required: bool) -> type:
     import redis
 
     base = redis.ConnectionPool
+    # the installed redis-py's own requirement, for the call the fake pools forward to it
+    base_param = inspect.signature(base.get_connection).parameters["command_name"]
+    base_args = ("GET",) if base_param.default is inspect.Parameter.empty else ()
 
     if required:
         class OldPool(base):  # redis-py 5.0-5.2: get_connection(self, command_name, *keys, **options)
             def get_connection(self, command_name, *keys, **options):  # type: ignore[override]
                 assert isinstance(command_name, str) and command_name, "command_name is required"
-                return super().get_connection()
+                return super().get_connection(*base_args)
         return OldPool
 
     class NewPool(base):  # redis-py 5.3+: command_name optional, passing it is deprecated
         def get_connection(self, command_name=None, *keys, **options):  # type: ignore[override]
             if command_name is not None:
                 warnings.warn("command_name is deprecated", DeprecationWarning, stacklevel=2)
-            return super().get_connection()
+            return super().get_connection(*base_args)
     return NewPool
 
 
