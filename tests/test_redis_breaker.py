@@ -122,3 +122,40 @@ def test_frozen_cluster_master_costs_no_per_batch_timeout(fresh_cluster, imagefo
     for i, (img, label) in zip(share, ds.__getitems__(share)):
         assert label == ds.targets[i] and torch.equal(img, refs[i]), i
     assert ds.stats()["t2"]["hits"] - before == len(share)  # the node's keys are hits again
+
+
+def test_backoff_doubles_from_one_second_to_thirty_with_jitter() -> None:
+    from datacache.stores.breaker import Breakers
+
+    br = Breakers(lambda addr: None)
+    for failures, base in [(1, 1.0), (2, 2.0), (3, 4.0), (5, 16.0), (6, 30.0), (40, 30.0)]:
+        got = [br._backoff(failures) for _ in range(200)]
+        assert all(0.8 * base <= g <= 1.2 * base for g in got), (failures, min(got), max(got))
+        assert max(got) - min(got) > 0.05 * base  # jittered, not in step
+
+
+def test_refused_node_keeps_one_prober_and_backs_off_while_it_stays_down() -> None:
+    """Nothing listens on the port (real refused connections): the breaker opens on the first call,
+    the one probe thread fails again and the back-off grows; later calls never start a second one."""
+    import threading
+
+    from trainer.distenv import free_port
+
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    store = open_store(f"redis://{addr}/0?connect_timeout=0.2")
+    try:
+        for _ in range(30):
+            assert store.get_many([b"dc:x"]) == [None]
+            store.put_many([(b"dc:x", b"v")])
+        probers = [t for t in threading.enumerate() if t.name == f"datacache-probe-{addr}"]
+        assert len(probers) == 1
+        deadline = time.monotonic() + 15
+        while store.stats()["breakers"][addr]["failures"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        state = store.stats()["breakers"][addr]
+        assert state["state"] == "open" and state["failures"] >= 3 and state["opened"] == 1, state
+        assert state["retry_in_s"] is not None
+        assert store.counters()["breaker_skipped"] >= 58  # 29 reads + 29 writes not sent
+    finally:
+        store.close()
