@@ -122,6 +122,9 @@ class RedisClusterStore(RedisStoreBase):
         """Rebuild the slot map from ``CLUSTER SLOTS`` of the first node that answers; raises the last
         error when none does."""
         candidates = list(dict.fromkeys([*self._nodes, *(f"{h}:{p}" for h, p in self.seeds)]))
+        # nodes whose breaker is open (frozen or down) are asked last: a frozen one costs a timeout
+        br = self.breakers()
+        candidates.sort(key=lambda a: not br.allow(a))
         last: BaseException | None = None
         for addr in candidates:
             try:
