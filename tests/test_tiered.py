@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import threading
 import time
 
@@ -79,7 +80,7 @@ from datacache.stores import open_store
 t = open_store("memory://a::{redis_url}")
 t.put_many([(b"dc:exit:%d" % i, b"x" * 1000) for i in range(200)])
 """  # no flush, no close: the exit hook writes what is queued
-    subprocess.run(["python", "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     remote = open_store(redis_url)
     assert all(v == b"x" * 1000 for v in remote.get_many([b"dc:exit:%d" % i for i in range(200)]))
 
