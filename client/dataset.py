@@ -43,7 +43,7 @@ from client.storeio import to_chw_tensor
 from datacache.cacheurl import parse_cache_url
 from datacache.columns import ArrayView, PairsView
 from datacache.config import ConfigError, Variant, default_cache_url
-from datacache.fillstatus import wait_until_warm
+from datacache.fillstatus import sample_missing, wait_until_warm
 from datacache.manifest import Manifest, check_revalidate
 from datacache.readthrough import COUNTERS, SOURCE_FAILURE, Failure, ReadThrough, manifest_dir_for
 
@@ -260,9 +260,17 @@ class CachedImageNet(Dataset):
         """Block until the cache daemons report this dataset and variant fully ingested (their fill
         reports in Redis, :mod:`datacache.fillstatus`); returns the last report. Raises TimeoutError
         after ``timeout`` seconds (None: wait forever) and ConfigError when the cache has no Redis
-        tier for daemons to report in."""
-        return wait_until_warm(self.reader.store, self.manifest.fingerprint, self._tag, len(self),
-                               timeout=timeout, poll=poll)
+        tier for daemons to report in. Reports that say "full" are checked against the cache itself
+        (``EXISTS`` of 256 random samples, :func:`~datacache.fillstatus.sample_missing`): a node restarted
+        empty makes this wait again until its keys are refilled."""
+        reader = self.reader
+
+        def verify() -> dict[str, int]:
+            return sample_missing(reader.store, len(self), reader.keys,
+                                  lambda idx: [reader.qkey(i) for i in idx])
+
+        return wait_until_warm(reader.store, self.manifest.fingerprint, self._tag, len(self),
+                               timeout=timeout, poll=poll, verify=verify)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until this process's queued write-backs to remote tiers are written (also done at exit

@@ -49,11 +49,15 @@ _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """One ``?name=value`` option of a scheme: its kind, an optional minimum and a help text."""
+    """One ``?name=value`` option of a scheme: its kind, an optional minimum and a help text.
+    ``positive`` (floats): the value must be > 0 and at most ``maximum`` (a timeout of 0 or -1
+    would mean "never wait" or "wait forever" to redis-py, neither of which a cache may do)."""
 
     kind: str
     doc: str = ""
     minimum: int | None = None
+    positive: bool = False
+    maximum: float | None = None
 
     def coerce(self, name: str, text: str, url: str) -> Any:
         """``text`` as this option's type; ConfigError naming the option and the accepted forms."""
@@ -75,6 +79,13 @@ class OptionSpec:
             raise ConfigError(f"{url}: option {name}={text!r} is not {what}")
         if self.minimum is not None and value < self.minimum:
             raise ConfigError(f"{url}: option {name}={value} must be >= {self.minimum}")
+        too_big = self.maximum is not None and value > self.maximum
+        if self.positive and (not value > 0 or too_big):
+            top = f" and <= {self.maximum:g}" if self.maximum is not None else ""
+            raise ConfigError(f"{url}: option {name}={text!r} is out of range; it must be > 0{top} "
+                              "(seconds, e.g. 2)")
+        if too_big:
+            raise ConfigError(f"{url}: option {name}={value} must be <= {self.maximum:g}")
         return value
 
 

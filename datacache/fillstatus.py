@@ -9,11 +9,21 @@ unix time. Clients (``CachedImageNet.wait_warm``), ``/status`` and ``datacache s
 A dataset is **full** when the owned shares add up to the dataset (every sample has a reporting owner)
 and every node has done what it owns. Values are untrusted input: parsed with msgpack only and
 type-checked; a malformed field is ignored (as if that node had not reported).
+
+Reports can be stale: a master restarted empty loses its keys but not the reports (they may live on
+another master). So a summary also carries the age of the oldest report, and ``wait_until_warm``
+checks the reports against the cache itself: ``EXISTS`` of a random sample of the dataset's keys
+(:func:`sample_missing`; 256 keys, one pipelined round trip per master, however big the dataset is).
+A sampled key that is neither cached nor quarantined means "not full". A master that lost a third of
+the keys is missed by 256 samples with probability (2/3)^256, i.e. never; a handful of lost keys
+may go unnoticed (they are decoded on their next miss).
 """
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -60,17 +70,49 @@ def read_fill(store: Any, fingerprint: str, variant_tag: str) -> dict[str, dict[
     return out
 
 
-def summarize(reports: dict[str, dict[str, Any]], total: int) -> dict[str, Any]:
-    """Totals over the nodes and whether the dataset is full (see the module docstring)."""
+SAMPLE_KEYS = 256
+
+
+def sample_missing(store: Any, total: int, key_of: Callable[[Sequence[int]], list[bytes]],
+                   qkey_of: Callable[[Sequence[int]], list[bytes]], n: int = SAMPLE_KEYS) -> dict[str, int]:
+    """``EXISTS`` of ``n`` random samples (sample key, else quarantine key) in the status tier of
+    ``store``: ``{"checked", "missing"}``. A tier that cannot be read counts its keys as missing."""
+    tier = status_store(store)
+    idx = sorted(random.sample(range(total), min(n, total))) if total else []
+    have = tier.contains(key_of(idx)) if idx else []
+    absent = [i for i, h in zip(idx, have) if not h]
+    known_bad = tier.contains(qkey_of(absent)) if absent else []
+    return {"checked": len(idx), "missing": sum(1 for b in known_bad if not b)}
+
+
+def summarize(reports: dict[str, dict[str, Any]], total: int,
+              verified: dict[str, int] | None = None) -> dict[str, Any]:
+    """Totals over the nodes, the age of the oldest report (seconds, None without reports) and whether
+    the dataset is full (see the module docstring); ``verified`` (:func:`sample_missing`), when given,
+    must have found no missing key for the dataset to count as full."""
     owned = sum(r["owned"] for r in reports.values())
     done = sum(min(r["done"], r["owned"]) for r in reports.values())
-    return {"total": total, "owned": owned, "done": done, "fraction": done / total if total else 1.0,
-            "full": owned >= total and done >= total, "nodes": reports}
+    stamps = [r.get("updated") for r in reports.values()]
+    ages = [max(0.0, time.time() - float(s)) for s in stamps if isinstance(s, (int, float))]
+    full = owned >= total and done >= total
+    out: dict[str, Any] = {"total": total, "owned": owned, "done": done,
+                           "fraction": done / total if total else 1.0, "full": full,
+                           "oldest_report_s": round(max(ages), 1) if ages else None, "nodes": reports}
+    if verified is not None:
+        out["verified"] = verified
+        if verified["checked"] and verified["missing"]:
+            # the reports are stale (e.g. a master restarted empty): estimate from the sample instead
+            out["full"] = False
+            out["fraction"] = min(out["fraction"], 1.0 - verified["missing"] / verified["checked"])
+    return out
 
 
 def wait_until_warm(store: Any, fingerprint: str, variant_tag: str, total: int, *, timeout: float | None,
-                    poll: float = 0.5) -> dict[str, Any]:
-    """Poll the reports until the dataset is full; TimeoutError (with the last summary) after ``timeout``."""
+                    poll: float = 0.5,
+                    verify: Callable[[], dict[str, int]] | None = None) -> dict[str, Any]:
+    """Poll the reports until the dataset is full; TimeoutError (with the last summary) after ``timeout``.
+    ``verify`` (e.g. :func:`sample_missing` bound to the dataset's keys) is asked once the reports say
+    full; the dataset is full only when it finds nothing missing."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         try:
@@ -80,11 +122,16 @@ def wait_until_warm(store: Any, fingerprint: str, variant_tag: str, total: int, 
         except Exception:  # Redis unreachable right now: no reports yet, keep polling
             reports = {}
         summary = summarize(reports, total)
+        if summary["full"] and verify is not None:
+            summary = summarize(reports, total, verify())
         if summary["full"]:
             return summary
         if deadline is not None and time.monotonic() >= deadline:
+            ver = summary.get("verified") or {}
+            stale = (f"; but {ver['missing']} of {ver['checked']} sampled keys are not in the cache "
+                     "(the reports are stale: a node lost its keys?)" if ver.get("missing") else "")
             raise TimeoutError(f"dataset {fingerprint}/{variant_tag} not warm after {timeout} s: "
                                f"{summary['done']}/{total} cached by {len(summary['nodes'])} reporting "
                                "daemons "
-                               f"(owned shares cover {summary['owned']}/{total})")
+                               f"(owned shares cover {summary['owned']}/{total}){stale}")
         time.sleep(poll)

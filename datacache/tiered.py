@@ -71,7 +71,10 @@ class TieredStore(BaseStore):
         for i in range(len(getattr(self, "tiers", []))):
             self._counters.update({f"tier{i}_hits": 0, f"tier{i}_misses": 0, f"tier{i}_bytes": 0,
                                    f"tier{i}_promoted": 0})
-        self._counters.update(writeback_queued=0, writeback_dropped=0, writeback_written=0)
+        # writeback_*: per remote tier write attempted = written (acknowledged) + present (NX found the
+        # key) + errors (error replies, failed calls, writer-thread failures); dropped never attempted.
+        self._counters.update(writeback_queued=0, writeback_dropped=0, writeback_written=0,
+                              writeback_attempted=0, writeback_present=0, writeback_errors=0)
 
     def _process_attrs(self) -> tuple[str, ...]:
         return (*super()._process_attrs(), "_pid", "_cond", "_queue", "_queued_bytes", "_busy", "_writer")
@@ -139,11 +142,11 @@ class TieredStore(BaseStore):
                 continue
             n = tier.put_many(items, overwrite=overwrite)
             written = n if written is None else written
+        if written:
+            self._count("puts", written)  # what a local tier stored; remote writes count when acknowledged
         if remote:
             queued = self._enqueue(items, overwrite, tiers)
             written = queued if written is None else written
-        if written:
-            self._count("puts", written)
         return written or 0
 
     def _enqueue(self, items: list[tuple[bytes, bytes]], overwrite: bool, tiers: Sequence[Any]) -> int:
@@ -189,13 +192,34 @@ class TieredStore(BaseStore):
             try:
                 for i, tier in enumerate(self.tiers):
                     if mask & (1 << i):
-                        self._count("writeback_written", tier.put_many(items, overwrite=overwrite))
+                        self._write_remote(tier, items, overwrite)
             finally:
                 with self._cond:
                     self._queue.popleft()
                     self._queued_bytes -= nbytes
                     self._busy = False
                     self._cond.notify_all()
+
+    def _write_remote(self, tier: Any, items: list[tuple[bytes, bytes]], overwrite: bool) -> None:
+        """One queued batch to one remote tier, counted in the shared counters (writer thread; only this
+        thread writes remote tiers, so the tier's present/write_errors deltas are this batch's)."""
+        self._count("writeback_attempted", len(items))
+        before = tier.counters()
+        try:
+            n = tier.put_many(items, overwrite=overwrite)
+        except Exception as e:  # put_many never raises by contract; a bug must still be counted, not lost
+            self._count("writeback_errors", len(items))
+            if "writer" not in self._warned:
+                self._warned.add("writer")
+                log.warning("%s: write-back to %s failed (%s: %s); counted in writeback.errors", self.url,
+                            getattr(tier, "url", tier), type(e).__name__, e)
+            return
+        after = tier.counters()
+        self._count("writeback_written", n)
+        if not any(not getattr(x, "remote", False) and not getattr(x, "readonly", False) for x in self.tiers):
+            self._count("puts", n)  # no local tier counts the puts: the acknowledged remote writes do
+        self._count("writeback_present", after.get("present", 0) - before.get("present", 0))
+        self._count("writeback_errors", after.get("write_errors", 0) - before.get("write_errors", 0))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the write-back queue is empty (at most ``timeout``, default ``flush_timeout``);
@@ -219,7 +243,7 @@ class TieredStore(BaseStore):
         out = dict(self._counters)
         per_tier = [t.counters() for t in self.tiers]
         for name in BASE_COUNTERS:
-            if name.endswith("_errors") or name == "unavailable":
+            if name.endswith("_errors") or name in ("unavailable", "present"):
                 out[name] = sum(c.get(name, 0) for c in per_tier)
         return out
 
@@ -235,7 +259,9 @@ class TieredStore(BaseStore):
             queued = len(self._queue)
         return {"url": self.url, "backend": self.backend, "tiers": tiers,
                 "writeback": {"queued_batches": queued, "queued": c["writeback_queued"],
-                              "written": c["writeback_written"], "dropped": c["writeback_dropped"]},
+                              "attempted": c["writeback_attempted"], "written": c["writeback_written"],
+                              "present": c["writeback_present"], "errors": c["writeback_errors"],
+                              "dropped": c["writeback_dropped"]},
                 **{k: c[k] for k in BASE_COUNTERS}}
 
     def health(self) -> dict[str, Any]:

@@ -92,8 +92,10 @@ def _check_redis(spec: StoreSpec) -> None:
     from datacache.stores.redis_common import check_credentials
 
     store = spec.open()
-    check_credentials(store.ping_client(), spec.url)
-    store.close()
+    try:
+        check_credentials(store.ping_client(), spec.url, cluster=spec.scheme == "redis+cluster")
+    finally:
+        store.close()
 
 
 for _scheme in ("redis", "rediss"):

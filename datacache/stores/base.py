@@ -41,7 +41,8 @@ from typing import Any, Protocol, runtime_checkable
 log = logging.getLogger("datacache.stores")
 
 Value = bytes | memoryview
-BASE_COUNTERS = ("hits", "misses", "puts", "read_errors", "write_errors", "unavailable")
+# puts: writes the backend acknowledged; present: SET NX that found the key (not written, not an error)
+BASE_COUNTERS = ("hits", "misses", "puts", "present", "read_errors", "write_errors", "unavailable")
 
 
 @runtime_checkable

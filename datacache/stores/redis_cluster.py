@@ -51,6 +51,7 @@ from datacache.stores.redis_common import (
 from datacache.stores.resp import pipelined_get
 
 NSLOTS = 16384
+_UNWRITTEN = object()  # the reply stand-in of a write whose master failed (an error, counted as one)
 _REFRESH_EVERY_S = 0.5
 
 
@@ -121,6 +122,9 @@ class RedisClusterStore(RedisStoreBase):
         """Rebuild the slot map from ``CLUSTER SLOTS`` of the first node that answers; raises the last
         error when none does."""
         candidates = list(dict.fromkeys([*self._nodes, *(f"{h}:{p}" for h, p in self.seeds)]))
+        # nodes whose breaker is open (frozen or down) are asked last: a frozen one costs a timeout
+        br = self.breakers()
+        candidates.sort(key=lambda a: not br.allow(a))
         last: BaseException | None = None
         for addr in candidates:
             try:
@@ -207,8 +211,9 @@ class RedisClusterStore(RedisStoreBase):
             self._refresh_in_background()
 
         def one(node: int, pos: list[int]) -> tuple[list[int], list[Any] | BaseException]:
-            try:
-                return pos, op(self.client(nodes[node]), pos)
+            addr = nodes[node]
+            try:  # through the node's breaker: a frozen master is not waited on batch after batch
+                return pos, self._guarded(addr, lambda: op(self.client(addr), pos), len(pos))
             except Exception as e:  # a dead or unreachable master: its keys are misses
                 return pos, e
 
@@ -240,7 +245,10 @@ class RedisClusterStore(RedisStoreBase):
         def op(client: Any, pos: list[int]) -> list[Any]:
             return pipe_set(client, [items[p] for p in pos], overwrite)
 
-        return sum(1 for r in self._fan_out([k for k, _ in items], op, "write", None) if r is True)
+        # A master that failed gives _UNWRITTEN for its keys (already counted as write errors), so
+        # they are neither "written" nor "present".
+        replies = self._fan_out([k for k, _ in items], op, "write", _UNWRITTEN)
+        return self._count_set_replies(replies)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
         def op(client: Any, pos: list[int]) -> list[Any]:

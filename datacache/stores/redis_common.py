@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
 from datacache.cacheurl import OptionSpec, StoreSpec, redact
 from datacache.config import ConfigError
 from datacache.stores.base import BaseStore
+from datacache.stores.breaker import BreakerOpen, Breakers
+
+PROBE_TIMEOUT_S = 0.5  # the breaker's PING waits at most this (or socket_timeout when shorter)
 
 log = logging.getLogger("datacache.stores.redis")
 
@@ -41,8 +45,10 @@ DEFAULT_FETCH_BYTES = 2 << 20
 CERT_REQS = ("none", "optional", "required")
 
 COMMON_OPTIONS: dict[str, OptionSpec] = {
-    "socket_timeout": OptionSpec("float", "seconds to wait for a reply (default 2)"),
-    "connect_timeout": OptionSpec("float", "seconds to wait for a connection (default 1)"),
+    "socket_timeout": OptionSpec("float", "seconds to wait for a reply (default 2; > 0 and <= 3600)",
+                                 positive=True, maximum=3600.0),
+    "connect_timeout": OptionSpec("float", "seconds to wait for a connection (default 1; > 0 and <= 3600)",
+                                  positive=True, maximum=3600.0),
     "fetch_bytes": OptionSpec("bytes", "reply bytes per round trip (default 2MiB)", minimum=1),
     "client_name": OptionSpec("str", "CLIENT SETNAME shown by CLIENT LIST"),
     "ssl_ca_certs": OptionSpec("str", "CA bundle file (TLS)"),
@@ -154,10 +160,17 @@ def advice(exc: BaseException, url: str) -> str:
     return ""
 
 
-def check_credentials(client: Any, url: str) -> None:
-    """PING with ``client``: a wrong password / ACL user raises ConfigError; a server that is down warns."""
+def check_credentials(client: Any, url: str, *, cluster: bool = False) -> None:
+    """PING with ``client``: a wrong password / ACL user raises ConfigError; a server that is down warns.
+    ``cluster``: the server must run in cluster mode, else ConfigError -- a standalone server behind
+    ``redis+cluster://`` answers no ``CLUSTER SLOTS`` and every lookup would be a miss forever. Asked
+    with ``CLUSTER SLOTS`` itself (the command the store routes with, so an ACL user has it)."""
     try:
         client.ping()
+        if cluster:
+            _require_cluster_mode(client, url)
+    except ConfigError:
+        raise
     except Exception as e:
         if is_auth_error(e):
             raise ConfigError(f"cache {url}: {type(e).__name__}: {e}. {advice(e, url)}") from None
@@ -166,6 +179,19 @@ def check_credentials(client: Any, url: str) -> None:
     finally:
         with contextlib.suppress(Exception):  # closing a client that never connected is not worth a crash
             client.close()
+
+
+def _require_cluster_mode(client: Any, url: str) -> None:
+    import redis.exceptions as rex
+
+    try:
+        client.execute_command("CLUSTER SLOTS")
+    except rex.ResponseError as e:
+        if "cluster support disabled" in str(e).lower() or "unknown" in str(e).lower():
+            raise ConfigError(f"cache {url}: the server is not in cluster mode (it answered {e}); use "
+                              "redis://host:port for one server, or start it with 'cluster-enabled yes'"
+                              ) from None
+        raise
 
 
 def server_info(client: Any) -> dict[str, Any]:
@@ -198,6 +224,67 @@ class RedisStoreBase(BaseStore):
     """What the standalone and the cluster store share (their own modules hold the rest)."""
 
     remote = True  # a network tier: TieredStore writes to it in the background
+    spec: StoreSpec
+    tls: bool
+
+    def _reset_process_state(self) -> None:
+        super()._reset_process_state()
+        self._breakers_obj: Breakers | None = None
+        self._breakers_pid = -1
+        self._counters.update(breaker_skipped=0)
+
+    def _process_attrs(self) -> tuple[str, ...]:
+        return (*super()._process_attrs(), "_breakers_obj", "_breakers_pid")
+
+    def breakers(self) -> Breakers:
+        """This process's per-node circuit breakers (:mod:`datacache.stores.breaker`). Fork boundary: a
+        forked DataLoader worker gets fresh ones (the parent's lock may be held, its probe threads
+        were not copied), checked by pid because the standalone store does not reset on fork."""
+        if self._breakers_obj is None or self._breakers_pid != os.getpid():
+            self._breakers_obj = Breakers(self._probe_ping)
+            self._breakers_pid = os.getpid()
+        return self._breakers_obj
+
+    def _probe_ping(self, addr: str) -> None:
+        """PING ``addr`` over a fresh connection with a short timeout (the breaker's probe thread)."""
+        import redis
+
+        host, port = parse_hostport(addr, self.url)
+        kw = connection_kwargs(self.spec, tls=self.tls)
+        kw["socket_timeout"] = min(PROBE_TIMEOUT_S, kw["socket_timeout"])
+        kw["socket_connect_timeout"] = min(PROBE_TIMEOUT_S, kw["socket_connect_timeout"])
+        client = redis.Redis(host=host, port=port, **kw)
+        try:
+            client.ping()
+        finally:
+            client.close()
+
+    def _guarded(self, addr: str, call: Callable[[], Any], n: int) -> Any:
+        """``call()`` to node ``addr`` through its breaker: refused without a network call while open
+        (``n`` keys counted in ``breaker_skipped``); a timeout or refused connection opens it."""
+        br = self.breakers()
+        if not br.allow(addr):
+            self._count("breaker_skipped", n)
+            raise BreakerOpen(f"{addr}: circuit open after timeouts/refusals (probed in the background)")
+        try:
+            return call()
+        except Exception as e:
+            br.failure(addr, e)
+            raise
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["breakers"] = self.breakers().state()
+        return out
+
+    def health(self) -> dict[str, Any]:
+        out = super().health()
+        opened = self.breakers().open_nodes()
+        out["breakers"] = self.breakers().state()
+        if opened:
+            out["ok"] = False
+            out["detail"] = f"{out['detail']}; circuit open for {', '.join(opened)}"
+        return out
 
     def _is_unavailable(self, exc: BaseException) -> bool:
         return is_unavailable(exc)
@@ -208,6 +295,15 @@ class RedisStoreBase(BaseStore):
     def expected_bytes(self, n: int) -> int:
         """Reply bytes expected for ``n`` values (running mean, else the hint): sizes the read buffer."""
         return int(n * (self._mean_value or self._value_hint))
+
+    def _count_set_replies(self, replies: Sequence[Any]) -> int:
+        """Count the replies of one ``SET [NX]`` pipeline honestly: ``True`` (OK) is written; ``None``
+        (NX found the key) is ``present``; error replies are write errors (counted by the caller via
+        :meth:`_reply_errors`). Returns the number written (what the server acknowledged)."""
+        present = sum(1 for r in replies if r is None)
+        if present:
+            self._count("present", present)
+        return sum(1 for r in replies if r is True)
 
     def _reply_errors(self, kind: str, replies: Sequence[Any]) -> list[Exception]:
         """The per-key error replies of one pipeline, counted as one partial failure of ``kind``

@@ -70,18 +70,24 @@ class RedisStore(RedisStoreBase):
 
     ping_client = client  # what the URL check PINGs (and closes): this store's own client
 
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
     def _get_many(self, keys: list[bytes]) -> list[Value | None]:
-        got = pipelined_get(self.client(), keys, self.expected_bytes(len(keys)))
+        got = self._guarded(self.addr, lambda: pipelined_get(self.client(), keys,
+                                                             self.expected_bytes(len(keys))), len(keys))
         self._reply_errors("read", got)  # per-key errors (e.g. a LOADING server): those keys are misses
         return [None if isinstance(r, Exception) else r for r in got]
 
     def _put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool) -> int:
-        replies = pipe_set(self.client(), items, overwrite)
+        replies = self._guarded(self.addr, lambda: pipe_set(self.client(), items, overwrite), len(items))
         self._reply_errors("write", replies)  # per-command errors (OOM at maxmemory): write errors
-        return sum(1 for r in replies if r is True)
+        return self._count_set_replies(replies)
 
     def _contains(self, keys: list[bytes]) -> list[bool]:
-        return [r == 1 for r in pipe_exists(self.client(), keys)]  # an error reply is "not there"
+        got = self._guarded(self.addr, lambda: pipe_exists(self.client(), keys), len(keys))
+        return [r == 1 for r in got]  # an error reply is "not there"
 
     def status_set(self, name: bytes, field: str, value: bytes) -> None:
         """HSET of a daemon report (:mod:`datacache.fillstatus`); raises on failure (callers decide)."""

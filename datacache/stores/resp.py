@@ -27,6 +27,7 @@ redis-py's) and goes back to it fully read.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from collections.abc import Sequence
@@ -154,10 +155,34 @@ def _parse(sock: Any, n: int, buf: bytearray) -> list[Any]:
     return [view[s[0]:s[0] + s[1]] if isinstance(s, tuple) else s for s in spans]
 
 
+def _needs_command_name(pool: Any) -> bool:
+    """redis-py 5.0-5.2 require ``get_connection(command_name, ...)``; 5.3+ made it optional and
+    deprecated passing it. Decided from the signature, once per pool class."""
+    cls = type(pool)
+    cached = _NEEDS_NAME.get(cls)
+    if cached is None:
+        try:
+            param = inspect.signature(cls.get_connection).parameters.get("command_name")
+        except (TypeError, ValueError):  # no readable signature: pass the name (every version accepts it)
+            cached = True
+        else:
+            cached = param is not None and param.default is inspect.Parameter.empty
+        _NEEDS_NAME[cls] = cached
+    return cached
+
+
+_NEEDS_NAME: dict[type, bool] = {}
+
+
+def get_connection(pool: Any) -> Any:
+    """A connection from a redis-py pool, with the ``command_name`` that redis-py < 5.3 requires."""
+    return pool.get_connection("GET") if _needs_command_name(pool) else pool.get_connection()
+
+
 def pipelined_get(client: Any, keys: Sequence[bytes], expect_bytes: int) -> list[Any]:
     """``GET`` every key over one pooled connection of ``client`` (a ``redis.Redis``)."""
     pool = client.connection_pool
-    conn = pool.get_connection()
+    conn = get_connection(pool)
     ok = False
     try:
         conn.send_packed_command([pack_gets(keys)], check_health=False)

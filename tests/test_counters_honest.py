@@ -1,0 +1,79 @@
+"""Write counters count what Redis acknowledged: at ``maxmemory 1mb`` + ``noeviction`` most writes are
+refused (``OOM``), and written + present + errors == attempted, written == the keys that exist."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from datacache.cacheurl import parse_cache_url
+from datacache.redis_local import start_server
+from datacache.tiered import TieredStore
+from tests.redis_utils import needs_redis
+
+pytestmark = needs_redis
+
+
+def _dbsize(port: int) -> int:
+    out = subprocess.run(["redis-cli", "-p", str(port), "dbsize"], capture_output=True, text=True, timeout=10)
+    return int(out.stdout.strip())
+
+
+def test_writeback_counts_what_a_full_server_acknowledged(tmp_path) -> None:
+    srv = start_server(str(tmp_path / "full"), maxmemory="1mb", policy="noeviction")
+    try:
+        store = parse_cache_url(f"redis://{srv.addr}/0").open()
+        assert isinstance(store, TieredStore)
+        value = os.urandom(5_000)
+        batches = [[(b"dc:honest:%d" % i, value) for i in range(s, s + 10)] for s in range(0, 200, 10)]
+        # the first batch again while the server has room: NX finds those keys -> "present" (once the
+        # server is full, noeviction refuses even a SET NX of an existing key with OOM: an error)
+        batches.insert(1, batches[0])
+        for items in batches:
+            store.put_many(items)
+        assert store.flush(timeout=30)
+        wb = store.stats()["writeback"]
+        assert wb["attempted"] == 210 and wb["dropped"] == 0
+        assert wb["written"] + wb["present"] + wb["errors"] == wb["attempted"], wb
+        keys = _dbsize(srv.port)
+        assert 0 < keys < 200 and wb["written"] == keys, (wb, keys)  # the server refused most
+        assert keys >= 10 and wb["present"] == 10 and wb["errors"] == 200 - keys, wb
+        assert store.stats()["puts"] == keys
+        store.close()
+    finally:
+        srv.stop()
+
+
+def test_a_failing_tier_call_in_the_writer_thread_is_counted(tmp_path) -> None:
+    """A tier whose put_many raises (breaking its contract) still counts every item as an error."""
+    srv = start_server(str(tmp_path / "ok"))
+    try:
+        store = parse_cache_url(f"redis://{srv.addr}/0").open()
+        tier = store.tiers[0]
+
+        def broken(items, *, overwrite=False):
+            raise RuntimeError("boom")
+
+        tier.put_many = broken  # the thread boundary is what is tested; the tier is real otherwise
+        store.put_many([(b"dc:x:%d" % i, b"v") for i in range(7)])
+        assert store.flush(timeout=30)
+        wb = store.stats()["writeback"]
+        assert wb["attempted"] == 7 and wb["errors"] == 7 and wb["written"] == 0, wb
+        store.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("kind", ["standalone", "cluster"])
+def test_store_put_many_counts_present_separately(kind: str, redis_url: str, cluster_url: str) -> None:
+    from datacache.stores import open_store
+
+    store = open_store(redis_url if kind == "standalone" else cluster_url)
+    items = [(b"dc:p:%d" % i, b"v") for i in range(20)]
+    assert store.put_many(items[:12]) == 12
+    assert store.put_many(items) == 8
+    c = store.counters()
+    assert c["puts"] == 20 and c["present"] == 12 and c["write_errors"] == 0
+    store.close()
