@@ -166,13 +166,20 @@ class CachedImageNet(Dataset):
     def _load_many(self, indices: Sequence[int], counts: dict[str, int]) -> list[Any]:
         """Per index: ``(tensor, label)`` or a :class:`~datacache.readthrough.Failure`."""
         in_worker = torch.utils.data.get_worker_info() is not None
-        out: list[Any] = self.reader.load_many(indices, counts, threads=1 if in_worker else _DECODE_THREADS)
+        out: list[Any] = self.reader.load_many(indices, counts, threads=1 if in_worker else _DECODE_THREADS,
+                                               on_ack=self._on_writeback_ack)
         for pos, item in enumerate(out):
             if isinstance(item, Failure):
                 self._qflags[indices[pos]] = item.code
             else:
                 out[pos] = (to_chw_tensor(item[0]), item[1])
         return out
+
+    def _on_writeback_ack(self, written: int, present: int, errors: int) -> None:
+        """A queued write-back batch was answered by the remote tier (writer thread of this process):
+        count what the server acknowledged (``stats()['t2']['written']``), found present, or refused."""
+        self._counters.add({"t2_written": written, "t2_writeback_present": present,
+                            "t2_writeback_errors": errors})
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
         """Load a whole batch with one store round trip (DataLoader calls this per batch)."""

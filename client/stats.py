@@ -22,6 +22,8 @@ lower bound.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +42,18 @@ def current_row() -> int:
     return 1 + info.id % MAX_WORKERS
 
 
+_LOCK: tuple[int, threading.Lock] | None = None
+
+
+def _row_lock() -> threading.Lock:
+    """This process's lock for its counter row. Fork boundary: a child gets a fresh lock (one inherited
+    from a parent thread that held it at the fork would stay locked forever)."""
+    global _LOCK
+    if _LOCK is None or _LOCK[0] != os.getpid():
+        _LOCK = (os.getpid(), threading.Lock())
+    return _LOCK[1]
+
+
 class SharedCounters:
     """Named int64 counters, one row per process, in shared memory (see the module docstring)."""
 
@@ -49,13 +63,15 @@ class SharedCounters:
         self.table = torch.zeros((1 + MAX_WORKERS, len(self.names)), dtype=torch.int64).share_memory_()
 
     def add(self, deltas: Mapping[str, int]) -> None:
-        """Add ``deltas`` (name -> amount) to the calling process's row in one tensor op."""
+        """Add ``deltas`` (name -> amount) to the calling process's row in one tensor op. Thread-safe within
+        a process (the write-back thread adds acknowledgements while the loader adds batches)."""
         vec = np.zeros(len(self.names), dtype=np.int64)
         for name, amount in deltas.items():
             if amount:
                 vec[self.index[name]] += int(amount)
         if vec.any():
-            self.table[current_row()] += torch.from_numpy(vec)
+            with _row_lock():
+                self.table[current_row()] += torch.from_numpy(vec)
 
     def totals(self) -> dict[str, int]:
         """Sum over all rows (main process + every worker)."""
@@ -99,7 +115,10 @@ def format_stats(c: Mapping[str, int], *, quarantined: int, processes: int, stor
         "t2": {"hits": c["t2_hits"], "misses": c["t2_misses"], "invalid_rewritten": c["t2_invalid"],
                "known_bad": c["t2_known_bad"], "written": c["t2_written"], "bytes": c["t2_bytes"],
                "read_errors": c["t2_read_errors"], "write_errors": c["t2_write_errors"],
-               "unavailable": c["t2_unavailable"], "writeback_dropped": c.get("writeback_dropped", 0)},
+               "unavailable": c["t2_unavailable"], "writeback_dropped": c.get("writeback_dropped", 0),
+               # remote-only caches: written = what the server acknowledged, queued = handed to the writer
+               "queued": c.get("t2_queued", 0), "writeback_present": c.get("t2_writeback_present", 0),
+               "writeback_errors": c.get("t2_writeback_errors", 0)},
         "t1": {"hits": c["t1_hits"], "misses": c["t1_misses"],
                "hit_ratio": c["t1_hits"] / t1_total if t1_total else None},
         "t0": {"bytes_read": c["t0_bytes"], "retries": c["t0_retries"], "errors": c["t0_errors"]},

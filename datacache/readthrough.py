@@ -26,7 +26,7 @@ that uses them (pid check); pickling ships only the manifest, the cache spec and
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +45,8 @@ from datacache.source import Source, SourceError
 COUNTERS = (
     "samples", "t2_hits", "t2_misses", "t2_invalid", "t2_bytes", "t2_written", "t2_known_bad",
     "t2_read_errors", "t2_write_errors", "t2_unavailable", "decoded", "errors", "substituted", "t1_hits",
-    "t1_misses", "t0_bytes", "t0_retries", "t0_errors", "writeback_dropped",
+    "t1_misses", "t0_bytes", "t0_retries", "t0_errors", "writeback_dropped", "t2_queued",
+    "t2_writeback_present", "t2_writeback_errors",
     *(f"tier{i}_{what}" for i in range(MAX_TIERS) for what in ("hits", "misses", "bytes")),
 )
 _TIER_COUNTERS = COUNTERS[-3 * MAX_TIERS:]
@@ -152,14 +153,21 @@ class ReadThrough:
         return quarantine_key(self.tag, self.manifest.paths[index], self.manifest.identity(index))
 
     # ------------------------------------------------------------ the read path
-    def load_many(self, indices: Sequence[int], counts: dict[str, int], *, threads: int = 1
+    def load_many(self, indices: Sequence[int], counts: dict[str, int], *, threads: int = 1,
+                  on_ack: Callable[[int, int, int], None] | None = None
                   ) -> list[tuple[np.ndarray, int] | Failure]:
         """Per index: ``(HWC uint8 pixels, label)`` or a :class:`Failure`; counts into ``counts``
-        (keys of :data:`COUNTERS`). ``threads`` > 1 decodes misses concurrently."""
+        (keys of :data:`COUNTERS`). ``threads`` > 1 decodes misses concurrently.
+
+        Write-backs: with a local writable tier, ``t2_written`` counts what it stored. With only remote
+        tiers the writes are queued (``t2_queued``) and acknowledged later by the writer thread:
+        ``on_ack(written, present, errors)`` receives what the server answered (the caller adds it to
+        its persistent counters as ``t2_written``/``t2_writeback_*``), so ``written`` is never a count
+        of what was merely queued."""
         store = self.store
         before = store.counters()
         try:
-            return self._load(indices, counts, threads, before)
+            return self._load(indices, counts, threads, before, on_ack)
         finally:
             after = store.counters()
             for name in ("read_errors", "write_errors", "unavailable"):
@@ -168,7 +176,7 @@ class ReadThrough:
             counts["writeback_dropped"] += dropped
 
     def _load(self, indices: Sequence[int], counts: dict[str, int], threads: int,
-              before: dict[str, int]) -> list[Any]:
+              before: dict[str, int], on_ack: Callable[[int, int, int], None] | None = None) -> list[Any]:
         man = self.manifest
         out: list[Any] = [None] * len(indices)
         keys = self.keys(indices)
@@ -197,7 +205,7 @@ class ReadThrough:
         counts["t2_invalid"] += len(invalid)
         todo = self._skip_known_bad(indices, miss, out, counts)
         if todo:
-            self._fill(indices, todo, invalid, out, counts, threads)
+            self._fill(indices, todo, invalid, out, counts, threads, on_ack)
         return out
 
     def _skip_known_bad(self, indices: Sequence[int], miss: list[int], out: list[Any],
@@ -237,7 +245,8 @@ class ReadThrough:
         return failure
 
     def _fill(self, indices: Sequence[int], todo: list[int], invalid: set[int], out: list[Any],
-              counts: dict[str, int], threads: int) -> None:
+              counts: dict[str, int], threads: int,
+              on_ack: Callable[[int, int, int], None] | None = None) -> None:
         src = self.source
         before = src.stats()
         idx = [indices[p] for p in todo]
@@ -260,10 +269,13 @@ class ReadThrough:
             (rewrite if pos in invalid else fresh).append((self.key(i), got.record))
             out[pos] = (got.pixels, int(self.manifest.labels[i]))
         # one batched write per kind; failures (read-only cache, full disk) are counted, never raised
+        queued = getattr(self._store, "remote_only", False)  # put_many returns what was queued, not stored
+        kw = {"on_ack": on_ack} if queued else {}
+        written = "t2_queued" if queued else "t2_written"
         if fresh:
-            counts["t2_written"] += self._store.put_many(fresh)
+            counts[written] += self._store.put_many(fresh, **kw)
         if rewrite:
-            counts["t2_written"] += self._store.put_many(rewrite, overwrite=True)
+            counts[written] += self._store.put_many(rewrite, overwrite=True, **kw)
         if bad:
             self._store.put_many(bad)
 

@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import util as mp_util
 from typing import Any
 
@@ -123,15 +123,25 @@ class TieredStore(BaseStore):
         return have
 
     # ------------------------------------------------------------ writes
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool = False) -> int:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], *, overwrite: bool = False,
+                 on_ack: Callable[[int, int, int], None] | None = None) -> int:
         """Write ``items`` to every writable tier; returns what the nearest local tier stored (or, with
-        only remote tiers, how many items were queued). Never raises, never blocks on a remote tier."""
+        only remote tiers, how many items were queued). Never raises, never blocks on a remote tier.
+        ``on_ack(written, present, errors)`` is called from the writer thread once the nearest remote tier
+        answered this batch (what the server acknowledged; NX hits; refused or failed writes)."""
         self._check_pid()
         if not items:
             return 0
-        return self._write(self.tiers, list(items), overwrite=overwrite)
+        return self._write(self.tiers, list(items), overwrite=overwrite, on_ack=on_ack)
 
-    def _write(self, tiers: Sequence[Any], items: list[tuple[bytes, bytes]], *, overwrite: bool) -> int:
+    @property
+    def remote_only(self) -> bool:
+        """True when no writable tier is local: ``put_many`` then returns what was *queued*."""
+        return not any(not getattr(t, "remote", False) and not getattr(t, "readonly", False)
+                       for t in self.tiers)
+
+    def _write(self, tiers: Sequence[Any], items: list[tuple[bytes, bytes]], *, overwrite: bool,
+               on_ack: Callable[[int, int, int], None] | None = None) -> int:
         written: int | None = None
         remote = False
         for tier in tiers:
@@ -145,11 +155,12 @@ class TieredStore(BaseStore):
         if written:
             self._count("puts", written)  # what a local tier stored; remote writes count when acknowledged
         if remote:
-            queued = self._enqueue(items, overwrite, tiers)
+            queued = self._enqueue(items, overwrite, tiers, on_ack)
             written = queued if written is None else written
         return written or 0
 
-    def _enqueue(self, items: list[tuple[bytes, bytes]], overwrite: bool, tiers: Sequence[Any]) -> int:
+    def _enqueue(self, items: list[tuple[bytes, bytes]], overwrite: bool, tiers: Sequence[Any],
+                 on_ack: Callable[[int, int, int], None] | None = None) -> int:
         nbytes = sum(len(k) + len(v) for k, v in items)
         targets = [i for i, t in enumerate(self.tiers) if t in tiers and getattr(t, "remote", False)
                    and not getattr(t, "readonly", False)]
@@ -163,7 +174,7 @@ class TieredStore(BaseStore):
                                 "miss). The remote tier is slower than the fill rate or unreachable.",
                                 self.url, len(self._queue), self._queued_bytes / 1e6)
                 return 0
-            self._queue.append((items, overwrite, sum(1 << i for i in targets), nbytes))
+            self._queue.append((items, overwrite, sum(1 << i for i in targets), nbytes, on_ack))
             self._queued_bytes += nbytes
             self._count("writeback_queued", len(items))
             self._cond.notify()
@@ -187,12 +198,19 @@ class TieredStore(BaseStore):
                     self._cond.wait(timeout=1.0)
                     if not self._queue and self._pid != os.getpid():
                         return
-                items, overwrite, mask, nbytes = self._queue[0]
+                items, overwrite, mask, nbytes, on_ack = self._queue[0]
                 self._busy = True
             try:
+                acked = None
                 for i, tier in enumerate(self.tiers):
                     if mask & (1 << i):
-                        self._write_remote(tier, items, overwrite)
+                        got = self._write_remote(tier, items, overwrite)
+                        acked = got if acked is None else acked  # the nearest remote tier's answer
+                if on_ack is not None and acked is not None:
+                    try:
+                        on_ack(*acked)
+                    except Exception as e:  # a caller's counter must never kill the writer thread
+                        log.debug("write-back acknowledgement callback failed: %s", e)
             finally:
                 with self._cond:
                     self._queue.popleft()
@@ -200,9 +218,11 @@ class TieredStore(BaseStore):
                     self._busy = False
                     self._cond.notify_all()
 
-    def _write_remote(self, tier: Any, items: list[tuple[bytes, bytes]], overwrite: bool) -> None:
+    def _write_remote(self, tier: Any, items: list[tuple[bytes, bytes]], overwrite: bool
+                      ) -> tuple[int, int, int]:
         """One queued batch to one remote tier, counted in the shared counters (writer thread; only this
-        thread writes remote tiers, so the tier's present/write_errors deltas are this batch's)."""
+        thread writes remote tiers, so the tier's present/write_errors deltas are this batch's). Returns
+        ``(written, present, errors)``."""
         self._count("writeback_attempted", len(items))
         before = tier.counters()
         try:
@@ -213,13 +233,16 @@ class TieredStore(BaseStore):
                 self._warned.add("writer")
                 log.warning("%s: write-back to %s failed (%s: %s); counted in writeback.errors", self.url,
                             getattr(tier, "url", tier), type(e).__name__, e)
-            return
+            return 0, 0, len(items)
         after = tier.counters()
         self._count("writeback_written", n)
         if not any(not getattr(x, "remote", False) and not getattr(x, "readonly", False) for x in self.tiers):
             self._count("puts", n)  # no local tier counts the puts: the acknowledged remote writes do
-        self._count("writeback_present", after.get("present", 0) - before.get("present", 0))
-        self._count("writeback_errors", after.get("write_errors", 0) - before.get("write_errors", 0))
+        present = after.get("present", 0) - before.get("present", 0)
+        errors = after.get("write_errors", 0) - before.get("write_errors", 0)
+        self._count("writeback_present", present)
+        self._count("writeback_errors", errors)
+        return n, present, errors
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the write-back queue is empty (at most ``timeout``, default ``flush_timeout``);

@@ -77,3 +77,35 @@ def test_store_put_many_counts_present_separately(kind: str, redis_url: str, clu
     c = store.counters()
     assert c["puts"] == 20 and c["present"] == 12 and c["write_errors"] == 0
     store.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_stats_written_is_what_the_server_acknowledged(tmp_path, imagefolder_factory,
+                                                               workers: int) -> None:
+    """The reported case: ``CachedImageNet`` over a Redis that refuses most writes (noeviction, full).
+    ``stats()['t2']['written']`` is what Redis acknowledged (the keys that exist afterwards), not what
+    was queued; queued = written + present + refused, counted across DataLoader workers."""
+    from torch.utils.data import DataLoader
+
+    from client.dataset import CachedImageNet
+
+    srv = start_server(str(tmp_path / "full"), maxmemory="64mb", policy="noeviction")
+    try:
+        used = int(subprocess.run(["redis-cli", "-p", str(srv.port), "memory", "stats"], capture_output=True,
+                                  text=True, timeout=10).stdout.split("total.allocated\n")[1].split()[0])
+        # room for ~6 of the 24 records (~96 KB each) above what the empty server uses
+        subprocess.run(["redis-cli", "-p", str(srv.port), "config", "set", "maxmemory", str(used + 600_000)],
+                       check=True, capture_output=True, timeout=10)
+        root = imagefolder_factory(classes=3, per_class=8, size=(200, 150))
+        ds = CachedImageNet(root, cache=f"redis://{srv.addr}/0", short_side=160, t1_dir=None)
+        loader = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=list)
+        assert sum(len(b) for b in loader) == 24
+        assert ds.flush(timeout=30)  # the main process's queue (workers flushed theirs at exit)
+        t2 = ds.stats()["t2"]
+        keys = _dbsize(srv.port)
+        assert 0 < keys < 24, keys  # 24 x ~96 KB records: most were refused
+        assert t2["written"] == keys, (t2, keys)
+        answered = t2["written"] + t2["writeback_present"] + t2["writeback_errors"]
+        assert t2["queued"] == 24 and answered == 24, t2
+    finally:
+        srv.stop()
