@@ -13,7 +13,9 @@ host all masters are 127.0.0.1, so it cannot be found by address).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from tests.dist_utils import run_distributed
 from tests.redis_utils import cli, needs_redis
 from trainer.config import make_config
 
-pytestmark = [needs_redis, pytest.mark.slow]
+pytestmark = needs_redis
 
 
 class _Recording:
@@ -91,6 +93,7 @@ def _cfg(digits: dict, url: str, out: str, **kw) -> dict:
     return make_config(**{**base, **kw}).to_dict()
 
 
+@pytest.mark.slow
 def test_every_sample_once_equal_batches_and_bytes_per_rank(digits_data, redis_cluster, cluster_url,
                                                           tmp_path) -> None:
     keys = _fill(digits_data["val"], cluster_url)
@@ -123,6 +126,7 @@ def test_every_sample_once_equal_batches_and_bytes_per_rank(digits_data, redis_c
     assert epochs[0]["rank_local_bytes"] == res[0]["epochs"][0]["rank_local_bytes"]
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_is_bit_exact_across_a_reshard(digits_data, fresh_cluster, tmp_path) -> None:
     url = fresh_cluster.url
     keys = _fill(digits_data["val"], url)
@@ -153,6 +157,7 @@ def test_mid_epoch_resume_is_bit_exact_across_a_reshard(digits_data, fresh_clust
             assert np.array_equal(v, r["state"][k]), k
 
 
+@pytest.mark.slow
 def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(digits_data, tmp_path,
                                                                               capsys) -> None:
     from datacache.config import ConfigError
@@ -171,3 +176,18 @@ def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(d
         bad = TrainConfig.from_dict({**cfg, **change, "resume": ckpt, "out": str(tmp_path / "b")})
         with pytest.raises(ConfigError, match=match):
             train(bad)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--sampler", "nearby"], "--sampler: invalid choice: 'nearby' (choose from"),
+    (["--exchange", "1.5"], "exchange=1.5; must be a fraction in [0, 1]"),
+    (["--local-master", "node0"], "local_master='node0' is not host:port"),
+    (["--local-master", "127.0.0.1:7000"], "the cache has no redis+cluster:// tier"),
+])
+def test_bad_sampler_options_are_one_line_errors(digits_data, tmp_path, args, expected) -> None:
+    cmd = [sys.executable, "-m", "trainer", "--data", digits_data["val"], "--cache", digits_data["cache"],
+           "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and "Traceback" not in out.stderr
+    assert args[0] != "--sampler" or ("global" in out.stderr and "local" in out.stderr)  # the valid choices
