@@ -191,3 +191,15 @@ def test_bad_sampler_options_are_one_line_errors(digits_data, tmp_path, args, ex
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr and "Traceback" not in out.stderr
     assert args[0] != "--sampler" or ("global" in out.stderr and "local" in out.stderr)  # the valid choices
+
+
+def test_unreachable_cluster_at_an_epoch_start_gives_a_plain_shuffle_epoch(caplog) -> None:
+    from datacache.stores import open_store
+    from trainer.distenv import free_port
+    from trainer.locality import epoch_owners
+
+    dead = open_store(f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.5")  # nothing listens
+    with caplog.at_level("WARNING", logger="trainer.locality"):
+        owners = epoch_owners(dead, [b"dc:x:%d" % i for i in range(7)], ["127.0.0.1:1"])
+    assert owners.dtype == np.int16 and owners.tolist() == [-1] * 7  # no node owns anything: plain shuffle
+    assert "cannot read the slot map" in caplog.text and "ordinary exactly-once shuffle" in caplog.text

@@ -86,8 +86,10 @@ def node_masters(mine: str | None, node_of_rank: Sequence[int], group: Any = Non
 
 
 def epoch_owners(store: Any, keys: Sequence[bytes], masters_by_node: Sequence[str], *,
-                 src: int = 0) -> np.ndarray:
-    """Owners of ``keys`` from one slot-map snapshot, taken on rank ``src`` and broadcast to all."""
+                 src: int = 0, n: int | None = None) -> np.ndarray:
+    """Owners of ``keys`` from one slot-map snapshot, taken on rank ``src`` and broadcast to all.
+    Only rank ``src`` reads ``keys``: the others may pass ``[]`` and the sample count ``n``."""
+    n = len(keys) if n is None else int(n)
     import torch.distributed as dist
 
     dist_on = dist.is_available() and dist.is_initialized()
@@ -100,9 +102,9 @@ def epoch_owners(store: Any, keys: Sequence[bytes], masters_by_node: Sequence[st
         except Exception as e:  # COLLECTIVE below: rank src must reach the broadcast whatever happened
             log.warning("locality sampler: cannot read the slot map of %s (%s: %s); this epoch is an "
                         "ordinary exactly-once shuffle", getattr(store, "url", store), type(e).__name__, e)
-            owners = np.full(len(keys), -1, dtype=np.int16)
+            owners = np.full(n, -1, dtype=np.int16)
     else:
-        owners = np.empty(len(keys), dtype=np.int16)
+        owners = np.empty(n, dtype=np.int16)
     if dist_on:
         # gloo has no int16 collectives ("Invalid scalar type"): int32 on the wire (5 MB at 1.28M
         # samples), int16 again after. A CPU tensor: the trainer's group is cpu:gloo(,cuda:nccl).

@@ -224,7 +224,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     if cfg.sampler == "local":
         if cluster is not None:
             masters_by_node = _agree(lambda: locality.node_masters(mine, node_of_rank))
-            keys = data.train.reader.keys(data.train_idx)
+            if rank == 0:  # only rank 0 maps keys to masters (epoch_owners broadcasts the result)
+                keys = data.train.reader.keys(data.train_idx)
         unowned = np.full(len(data.train_idx), -1, dtype=np.int16)  # set per epoch (epoch_owners)
         sampler = locality.LocalityBatchSampler(data.train_idx, unowned, node_of_rank, rank, cfg.seed,
                                                 cfg.exchange)
@@ -295,7 +296,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         sampler.set_epoch(epoch, gbs // world, first, cfg.steps_per_epoch)
         if isinstance(sampler, locality.LocalityBatchSampler) and cluster is not None and not (
                 loaded is not None and epoch == start_epoch and first > 0):  # resumed: the saved owners
-            sampler.set_owners(locality.epoch_owners(cluster, keys, masters_by_node))  # COLLECTIVE
+            sampler.set_owners(locality.epoch_owners(cluster, keys, masters_by_node,
+                                                     n=len(data.train_idx)))  # COLLECTIVE
         steps = sampler.steps_in_epoch()
         before = data.train.stats()
 
