@@ -187,7 +187,10 @@ def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(d
 def test_bad_sampler_options_are_one_line_errors(digits_data, tmp_path, args, expected) -> None:
     cmd = [sys.executable, "-m", "trainer", "--data", digits_data["val"], "--cache", digits_data["cache"],
            "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ})
+    # a fresh one-rank run: not the torchrun variables an in-process train() of this pytest process set
+    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr and "Traceback" not in out.stderr
     assert args[0] != "--sampler" or ("global" in out.stderr and "local" in out.stderr)  # the valid choices
