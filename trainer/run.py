@@ -333,6 +333,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         logger.say(epoch_line(rec, cfg.epochs))
         result.epochs.append(rec)
     logger.write("end", epochs=len(result.epochs))
+    if cluster is not None:
+        cluster.close()  # the slot-map reader's own connections (the datasets keep theirs)
     return result
 
 
