@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import Dataset
 
 from client.shared_manifest import share_manifest
-from client.stats import SharedCounters, format_stats
+from client.stats import PLACEMENT, PLACEMENT_COUNTERS, SharedCounters, format_stats
 from client.storeio import to_chw_tensor
 from datacache.cacheurl import parse_cache_url
 from datacache.columns import ArrayView, PairsView
@@ -107,7 +107,7 @@ class CachedImageNet(Dataset):
                                   t1_max_bytes=int(t1_max_bytes) if t1_max_bytes is not None else None,
                                   storage_options=storage_options)
         self._tag = self.variant.tag()
-        self._counters = SharedCounters(COUNTERS)
+        self._counters = SharedCounters((*COUNTERS, *PLACEMENT_COUNTERS))
         self._qflags = torch.zeros(len(self.manifest), dtype=torch.uint8).share_memory_()
 
     # ------------------------------------------------------------ ImageFolder face
@@ -163,11 +163,27 @@ class CachedImageNet(Dataset):
         return self.reader.key(index)
 
     # ------------------------------------------------------------ the read path
+    def _placement_tiers(self) -> list[tuple[int, Any]]:
+        """``(tier number, store)`` of the tiers that count where their bytes came from (a Redis
+        Cluster: local / remote master); this process's stores."""
+        store = self.reader.store
+        tiers = list(getattr(store, "tiers", None) or [store])
+        return [(i, t) for i, t in enumerate(tiers) if "local_bytes" in t.counters()]
+
     def _load_many(self, indices: Sequence[int], counts: dict[str, int]) -> list[Any]:
         """Per index: ``(tensor, label)`` or a :class:`~datacache.readthrough.Failure`."""
         in_worker = torch.utils.data.get_worker_info() is not None
-        out: list[Any] = self.reader.load_many(indices, counts, threads=1 if in_worker else _DECODE_THREADS,
-                                               on_ack=self._on_writeback_ack)
+        placed = self._placement_tiers()
+        before = [t.counters() for _, t in placed]
+        try:
+            out: list[Any] = self.reader.load_many(indices, counts,
+                                                   threads=1 if in_worker else _DECODE_THREADS,
+                                                   on_ack=self._on_writeback_ack)
+        finally:  # the tiers' local/remote counters are per process: add this batch's deltas
+            for (i, t), old in zip(placed, before):
+                new = t.counters()
+                for what in PLACEMENT:
+                    counts[f"tier{i}_{what}"] += new.get(what, 0) - old.get(what, 0)
         for pos, item in enumerate(out):
             if isinstance(item, Failure):
                 self._qflags[indices[pos]] = item.code
@@ -184,7 +200,7 @@ class CachedImageNet(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
         """Load a whole batch with one store round trip (DataLoader calls this per batch)."""
         indices = [self._check_index(i) for i in indices]
-        counts = dict.fromkeys(COUNTERS, 0)
+        counts = dict.fromkeys(self._counters.names, 0)
         try:
             out = self._load_many(indices, counts)
             for pos, item in enumerate(out):
@@ -250,7 +266,10 @@ class CachedImageNet(Dataset):
         """Totals over the main process and all DataLoader workers since creation / reset_stats().
 
         ``hits``/``misses`` are cache lookups (any tier), ``tiers`` the hits, misses, bytes and hit
-        ratio of each tier of a chained cache (nearest first), ``t2.invalid_rewritten`` counts bad
+        ratio of each tier of a chained cache (nearest first) with ``local_hits``/``local_bytes`` and
+        ``remote_hits``/``remote_bytes`` -- what the master on this node served and what crossed to
+        another node, counted by a ``redis+cluster://...?local=host:port`` tier (0 for the others) and
+        summed over the tiers at the top level, ``t2.invalid_rewritten`` counts bad
         records that were rewritten, ``t2.read_errors``/``t2.write_errors``/``t2.unavailable`` store
         failures that were turned into misses / skipped writes, ``t1`` is the raw-bytes disk cache
         (remote sources only), ``t0`` the source itself (``bytes_read`` = bytes read from T1/T0).

@@ -30,7 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from datacache.cacheurl import MAX_TIERS
+
 MAX_WORKERS = 64  # rows for workers 0..63; more workers share rows modulo 64 (documented race)
+# Where each byte went: a Redis Cluster tier opened with ``local=host:port`` counts the hits and bytes
+# served by the master on this node (local) and by the others (remote); per tier of the cache URL.
+PLACEMENT = ("local_hits", "remote_hits", "local_bytes", "remote_bytes")
+PLACEMENT_COUNTERS = tuple(f"tier{i}_{what}" for i in range(MAX_TIERS) for what in PLACEMENT)
 
 
 def current_row() -> int:
@@ -100,7 +106,8 @@ def format_stats(c: Mapping[str, int], *, quarantined: int, processes: int, stor
         else:
             hits, misses, nbytes = c[f"tier{i}_hits"], c[f"tier{i}_misses"], c[f"tier{i}_bytes"]
         tiers.append({"url": url, "hits": hits, "misses": misses, "bytes": nbytes,
-                      "hit_ratio": hits / (hits + misses) if hits + misses else None})
+                      "hit_ratio": hits / (hits + misses) if hits + misses else None,
+                      **{what: c.get(f"tier{i}_{what}", 0) for what in PLACEMENT}})
     return {
         "samples": c["samples"],
         "hits": c["t2_hits"],
@@ -112,6 +119,8 @@ def format_stats(c: Mapping[str, int], *, quarantined: int, processes: int, stor
         "quarantined": quarantined,
         "bytes_read": c["t0_bytes"],
         "tiers": tiers,
+        # summed over the tiers; 0 unless a tier knows its local master (redis+cluster://...?local=)
+        **{what: sum(t[what] for t in tiers) for what in PLACEMENT},
         "t2": {"hits": c["t2_hits"], "misses": c["t2_misses"], "invalid_rewritten": c["t2_invalid"],
                "known_bad": c["t2_known_bad"], "written": c["t2_written"], "bytes": c["t2_bytes"],
                "read_errors": c["t2_read_errors"], "write_errors": c["t2_write_errors"],

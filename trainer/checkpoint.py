@@ -9,6 +9,9 @@ Layout under ``<out>/checkpoints/``::
 Position = ``(epoch, step)``: the next step to run (``step`` within the epoch), with the global
 step count. The sampler's order is a function of ``(seed, epoch)`` and the crops of ``(seed,
 epoch, step, rank)``, so the position alone restores the remaining sample order and augmentation.
+With ``--sampler local`` the order also depends on the epoch's owners snapshot (which node's master
+held each sample at the epoch's start): ``train.pt`` carries it (``sampler``), so a resumed epoch
+continues in the saved order even if the cluster resharded meanwhile.
 The schedule values in force (LR, global batch, resolution, comm method) are saved too and
 checked against the config on resume: a resumed run with other schedules is refused mid-epoch.
 
@@ -125,7 +128,8 @@ def checkpoint_dir(out: str, global_step: int) -> str:
 
 def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler | None, comm_state: dict[str, Any], schedules: dict[str, Any],
-         config_json: str, world_size: int, pruner: Pruner | None = None) -> str:
+         config_json: str, world_size: int, pruner: Pruner | None = None,
+         sampler: dict[str, Any] | None = None) -> str:
     """Write this rank's part of the checkpoint at ``pos`` (COLLECTIVE: every rank calls it); with
     a ``pruner`` rank 0 then deletes this run's checkpoints beyond its ``keep``."""
     d = checkpoint_dir(out, pos.global_step)
@@ -138,7 +142,7 @@ def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimize
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else {},
             "schedules": json.dumps(schedules), "config": config_json, "world_size": world_size,
-            "rng": torch.get_rng_state(),
+            "rng": torch.get_rng_state(), **({"sampler": sampler} if sampler is not None else {}),
         }, os.path.join(d, "train.pt"))
     if dist.is_initialized():
         dist.barrier()  # every rank's file is complete before `latest` points at it

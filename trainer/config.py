@@ -31,6 +31,7 @@ from trainer.comm.names import METHOD_CHOICES, SELECTOR_CHOICES
 from trainer.models import MODEL_CHOICES
 from trainer.schedule import DECAY_CHOICES, LR_SCALING_CHOICES, EpochSchedule, LRSchedule, positive_int
 
+SAMPLER_CHOICES = ("global", "local")
 OPTIMIZER_CHOICES = ("sgd", "lars", "lamb")
 AMP_CHOICES = ("off", "auto", "fp16", "bf16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -59,6 +60,14 @@ class TrainConfig:
     cache: str = _f("", "cache URL (lmdb:///local/dir, memory://); empty: the default LMDB cache", "data")
     short_side: int = _f(160, "short side of the cached variant (it serves every resolution)", "data")
     workers: int = _f(2, "DataLoader worker processes per rank (they only cut crop windows)", "data")
+    sampler: str = _f("global", "sample order: global (DistributedSampler's shuffle) or local (each node "
+                      "reads mostly the samples its own Redis Cluster master holds; exactly once per epoch)",
+                      "data", SAMPLER_CHOICES)
+    exchange: float = _f(0.1, "--sampler local: fraction of each node's samples swapped across nodes every "
+                         "epoch (0.1: ~90%% of the bytes stay on the node at 16 nodes)", "data")
+    local_master: str = _f("", "--sampler local / byte accounting: host:port of the Redis Cluster master on "
+                           "this rank's node as the cluster announces it (empty: the one master with an "
+                           "address of this host)", "data")
     # model
     model: str = _f("resnet50", "network", "model", MODEL_CHOICES)
     width: int = _f(16, "first-stage channels of small_resnet(_cifar)", "model")
@@ -143,6 +152,12 @@ class TrainConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is out of range")
+        if not 0 <= self.exchange <= 1:
+            raise ConfigError(f"exchange={self.exchange!r}; must be a fraction in [0, 1] (e.g. 0.1)")
+        if self.local_master:
+            host, sep, port = self.local_master.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"local_master={self.local_master!r} is not host:port (e.g. 10.0.0.5:7000)")
         # parse every schedule now: a typo fails at start, on every rank alike
         _ = self.batch_schedule, self.resolution_schedule, self.comm_schedule, self.lr_schedule
 

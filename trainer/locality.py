@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Sequence
 from typing import Any
@@ -24,9 +25,10 @@ import torch
 
 from client.locality_sampler import owners_digest, owners_from_store, plan_epoch
 from datacache.config import ConfigError
+from trainer.config import SAMPLER_CHOICES  # noqa: F401  (re-exported: the sampler's names)
 from trainer.data import DistributedBatchSampler
 
-SAMPLER_CHOICES = ("global", "local")
+log = logging.getLogger(__name__)
 
 
 def _is_local_address(host: str) -> bool:
@@ -84,23 +86,31 @@ def node_masters(mine: str | None, node_of_rank: Sequence[int], group: Any = Non
 
 
 def epoch_owners(store: Any, keys: Sequence[bytes], masters_by_node: Sequence[str], *,
-                 src: int = 0) -> np.ndarray:
-    """Owners of ``keys`` from one slot-map snapshot, taken on rank ``src`` and broadcast to all."""
+                 src: int = 0, n: int | None = None) -> np.ndarray:
+    """Owners of ``keys`` from one slot-map snapshot, taken on rank ``src`` and broadcast to all.
+    Only rank ``src`` reads ``keys``: the others may pass ``[]`` and the sample count ``n``."""
+    n = len(keys) if n is None else int(n)
     import torch.distributed as dist
 
     dist_on = dist.is_available() and dist.is_initialized()
     if not dist_on or dist.get_rank() == src:
-        refresh = getattr(store, "refresh_slots", None)
-        if refresh is not None:
-            refresh()  # the slot map at this epoch's start, not whatever the last read left cached
-        owners = owners_from_store(store, keys, masters_by_node)
+        try:
+            refresh = getattr(store, "refresh_slots", None)
+            if refresh is not None:
+                refresh()  # the slot map at this epoch's start, not whatever the last read left cached
+            owners = owners_from_store(store, keys, masters_by_node)
+        except Exception as e:  # COLLECTIVE below: rank src must reach the broadcast whatever happened
+            log.warning("locality sampler: cannot read the slot map of %s (%s: %s); this epoch is an "
+                        "ordinary exactly-once shuffle", getattr(store, "url", store), type(e).__name__, e)
+            owners = np.full(n, -1, dtype=np.int16)
     else:
-        owners = np.empty(len(keys), dtype=np.int16)
+        owners = np.empty(n, dtype=np.int16)
     if dist_on:
-        # gloo/NCCL broadcast of a CPU int16 tensor (the trainer's CPU group; 2.5 MB at 1.28M samples)
-        t = torch.from_numpy(owners.astype(np.int16))
+        # gloo has no int16 collectives ("Invalid scalar type"): int32 on the wire (5 MB at 1.28M
+        # samples), int16 again after. A CPU tensor: the trainer's group is cpu:gloo(,cuda:nccl).
+        t = torch.from_numpy(owners.astype(np.int32))
         dist.broadcast(t, src=src)
-        owners = t.numpy()
+        owners = t.numpy().astype(np.int16)
     return owners
 
 
@@ -146,3 +156,56 @@ class LocalityBatchSampler(DistributedBatchSampler):
         if owners_digest(owners) != state["digest"]:
             raise ConfigError("the checkpoint's sampler state is damaged (owners digest mismatch)")
         self.set_owners(owners)
+
+
+# ------------------------------------------------------------ wiring into a training run
+def with_local_master(cache_url: str, addr: str) -> str:
+    """``cache_url`` with ``local=addr`` on every ``redis+cluster://`` tier that has no ``local=`` yet
+    (the store then counts local / remote bytes); other URLs unchanged."""
+    from datacache.cacheurl import StoreSpec, parse_cache_url
+
+    spec = parse_cache_url(cache_url)
+    tiers = []
+    changed = False
+    for t in spec.tiers:
+        if t.scheme == "redis+cluster" and t.option("local") is None:
+            t = StoreSpec(t.scheme, t.location, tuple(sorted((*t.options, ("local", addr)))))
+            changed = True
+        tiers.append(t.secret_url)
+    return "::".join(tiers) if changed else cache_url
+
+
+def cluster_store(cache_url: str) -> Any | None:
+    """A store of the cache's first ``redis+cluster://`` tier (this process's own, for slot maps), or
+    ``None`` when the cache has none (LMDB, memory, one Redis server)."""
+    from datacache.cacheurl import parse_cache_url
+    from datacache.config import default_cache_url
+
+    for t in parse_cache_url(cache_url or default_cache_url()).tiers:
+        if t.scheme == "redis+cluster":
+            return t.open()
+    return None
+
+
+def find_local_master(store: Any | None, explicit: str, required: bool) -> tuple[str | None, str]:
+    """``(master on this node or None, why)`` for the cluster ``store`` (see :func:`local_master`).
+    Unreachable cluster: a ConfigError when ``required`` (``--sampler local``), else ``None``."""
+    if store is None:
+        if explicit:
+            raise ConfigError(f"--local-master {explicit} given, but the cache has no redis+cluster:// tier; "
+                              "drop --local-master or use a Redis Cluster cache")
+        return None, "the cache has no Redis Cluster tier"
+    try:
+        masters = store.masters()
+    except Exception as e:  # any connection failure: say which cluster and why
+        if required or explicit:
+            raise ConfigError(f"{store.url}: cannot read the cluster's masters ({type(e).__name__}: {e}); "
+                              "start the cluster or fix --cache") from None
+        return None, f"cluster unreachable at start ({type(e).__name__})"
+    return local_master(masters, explicit)
+
+
+def node_of_ranks(world_size: int, local_world_size: int) -> list[int]:
+    """The node of every rank: torchrun numbers ranks node by node (``GROUP_RANK = rank //
+    LOCAL_WORLD_SIZE`` with the same ``--nproc-per-node`` everywhere)."""
+    return [r // local_world_size for r in range(world_size)]

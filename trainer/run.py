@@ -21,13 +21,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from client.dataset import CachedImageNet
+from client.stats import PLACEMENT
 from datacache.config import ConfigError
-from trainer import checkpoint
+from trainer import checkpoint, locality
 from trainer.config import TrainConfig
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
@@ -62,9 +64,10 @@ class Data:
     val_idx: list[int]
 
 
-def open_data(cfg: TrainConfig) -> Data:
-    """The training dataset and the validation split (a separate folder, or a held-out part)."""
-    kw: dict[str, Any] = {"cache": cfg.cache or None, "short_side": cfg.short_side}
+def open_data(cfg: TrainConfig, cache: str = "") -> Data:
+    """The training dataset and the validation split (a separate folder, or a held-out part);
+    ``cache`` overrides ``cfg.cache`` (the trainer adds ``local=`` for the byte accounting)."""
+    kw: dict[str, Any] = {"cache": cache or cfg.cache or None, "short_side": cfg.short_side}
     train = CachedImageNet(cfg.data, **kw)
     if cfg.val_data:
         val = CachedImageNet(cfg.val_data, **kw)
@@ -87,6 +90,54 @@ def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
+
+
+def _gather_over_ranks(values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's ``values`` (COLLECTIVE), rank order."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [t.tolist()]
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _resume_sampler(cfg: TrainConfig, loaded: checkpoint.Loaded, sampler: DistributedBatchSampler,
+                    file: str) -> None:
+    """A mid-epoch resume continues the saved sample order: the same --sampler, and with ``local`` the
+    owners snapshot the epoch was planned with (the cluster may have resharded since)."""
+    saved = str(loaded.saved_config.get("sampler", "global"))
+    if saved != cfg.sampler:
+        raise ConfigError(f"{file}: saved mid-epoch with --sampler {saved}, now {cfg.sampler}; resume with "
+                          f"--sampler {saved} (or from an epoch-end checkpoint)")
+    if not isinstance(sampler, locality.LocalityBatchSampler):
+        return
+    state = loaded.train.get("sampler")
+    if not isinstance(state, dict):
+        raise ConfigError(f"{file}: lacks the locality sampler's state (owners snapshot); "
+                          f"{checkpoint.WHAT_TO_DO}")
+    try:
+        sampler.load_state_dict(state)
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{file}: damaged locality sampler state ({type(e).__name__}); "
+                          f"{checkpoint.WHAT_TO_DO}") from None
+
+
+def _say_locality(logger: MetricsLog, cfg: TrainConfig, cluster: Any, mine: str | None, why: str,
+                  masters_by_node: list[str]) -> None:
+    """One log line (rank 0) on the sampler and the local master."""
+    if cfg.sampler == "local" and cluster is None:
+        logger.say("sampler local: the cache has no Redis Cluster tier, so each epoch is an ordinary seeded "
+                   "exactly-once shuffle (equal batches on every rank)")
+    elif cfg.sampler == "local":
+        missing = [n for n, m in enumerate(masters_by_node) if not m]
+        logger.say(f"sampler local: {len(masters_by_node)} nodes, masters {masters_by_node}, exchange "
+                   f"{cfg.exchange}" + (f"; nodes {missing} have no local master known (their reads are "
+                                        "remote; pass --local-master host:port there)" if missing else ""))
+    if cluster is not None:
+        logger.say(f"local master (rank 0): {mine or 'none'} ({why})")
 
 
 LoaderFactory = Callable[[Data, DistributedBatchSampler], Iterable[Any]]
@@ -161,9 +212,25 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
 def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: LoaderFactory | None,
            record_losses: bool) -> RunResult:
     device, rank, world = info.device, info.rank, info.world_size
-    data = _agree(lambda: open_data(cfg))
+    # the Redis Cluster tier's master on this node: counts local/remote bytes, and --sampler local
+    cluster = _agree(lambda: locality.cluster_store(cfg.cache))
+    mine, why = _agree(lambda: locality.find_local_master(cluster, cfg.local_master, cfg.sampler == "local"))
+    data = _agree(lambda: open_data(cfg, locality.with_local_master(cfg.cache, mine) if mine else ""))
     _agree(lambda: cfg.validate_run(world, len(data.train_idx)))
-    sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
+    node_of_rank = locality.node_of_ranks(world, info.local_world_size)
+    masters_by_node: list[str] = []
+    keys: list[bytes] = []
+    sampler: DistributedBatchSampler
+    if cfg.sampler == "local":
+        if cluster is not None:
+            masters_by_node = _agree(lambda: locality.node_masters(mine, node_of_rank))
+            if rank == 0:  # only rank 0 maps keys to masters (epoch_owners broadcasts the result)
+                keys = data.train.reader.keys(data.train_idx)
+        unowned = np.full(len(data.train_idx), -1, dtype=np.int16)  # set per epoch (epoch_owners)
+        sampler = locality.LocalityBatchSampler(data.train_idx, unowned, node_of_rank, rank, cfg.seed,
+                                                cfg.exchange)
+    else:
+        sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
 
     def read_checkpoint() -> checkpoint.Loaded | None:
         if not path:
@@ -177,6 +244,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         else:
             now = {}
         checkpoint.check_resumable(loaded, now, world, path, cfg.to_dict())
+        if loaded.pos.step > 0 and loaded.pos.epoch < cfg.epochs:
+            _resume_sampler(cfg, loaded, sampler, os.path.join(path, "train.pt"))
         return loaded
 
     loaded = _agree(read_checkpoint)  # everything checked before anything is applied
@@ -215,6 +284,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
                           ctx.loss_fn)
         logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}")
     pruner = checkpoint.Pruner(os.path.join(cfg.out, "checkpoints"), cfg.keep_checkpoints)
+    _say_locality(logger, cfg, cluster, mine, why, masters_by_node)
     logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),
                  train_samples=len(data.train_idx), val_samples=len(data.val_idx), resumed_from=path)
     result = RunResult(model=model, resumed_from=path)
@@ -224,6 +294,10 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         gbs = cfg.global_batch(epoch, world)
         first = start_step if epoch == start_epoch else 0
         sampler.set_epoch(epoch, gbs // world, first, cfg.steps_per_epoch)
+        if isinstance(sampler, locality.LocalityBatchSampler) and cluster is not None and not (
+                loaded is not None and epoch == start_epoch and first > 0):  # resumed: the saved owners
+            sampler.set_owners(locality.epoch_owners(cluster, keys, masters_by_node,
+                                                     n=len(data.train_idx)))  # COLLECTIVE
         steps = sampler.steps_in_epoch()
         before = data.train.stats()
 
@@ -231,7 +305,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             g = g0 + step  # the global step just completed
             if cfg.checkpoint_every and g % cfg.checkpoint_every == 0 and step < steps:
                 _save(cfg, info, model, ctx, pruner, checkpoint.Position(epoch, step, g),
-                      _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]))
+                      _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]), sampler)
 
         stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
                             start_step=first, progress=cfg.progress and info.is_main,
@@ -240,6 +314,9 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         result.step_losses += stats.step_losses
         rec = _epoch_record(cfg, data, stats, before, res, gbs, world, device)
         rec["comm_method"] = state.active_method or state.config.method  # what the hooks ran
+        rec["sampler"] = cfg.sampler
+        if isinstance(sampler, locality.LocalityBatchSampler):
+            rec["planned_local_fraction"] = sampler.local_fraction()
         if cfg.val_every and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs) and data.val_idx:
             for buf in model.buffers():  # every rank evaluates rank 0's BatchNorm statistics
                 dist.broadcast(buf, 0)
@@ -251,11 +328,13 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
         _save(cfg, info, model, ctx, pruner, checkpoint.Position(epoch + 1, 0, gstep),
-              _schedules(cfg, epoch, world, steps, stats.lr))
+              _schedules(cfg, epoch, world, steps, stats.lr), sampler)
         logger.write("epoch", **rec)
         logger.say(epoch_line(rec, cfg.epochs))
         result.epochs.append(rec)
     logger.write("end", epochs=len(result.epochs))
+    if cluster is not None:
+        cluster.close()  # the slot-map reader's own connections (the datasets keep theirs)
     return result
 
 
@@ -266,7 +345,11 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
     wait, loss, aug, hits, misses, decoded = _sum_over_ranks(
         [stats.data_wait_fraction / world, stats.loss / world, stats.augment_s / world, hits, misses,
          decoded], device)
-    return {"epoch": stats.epoch, "resolution": res, "global_batch": gbs, "steps": stats.steps,
+    # where each byte went, per rank (all-gathered) and summed: local = the master on the rank's node
+    placed = _gather_over_ranks([after[k] - before[k] for k in PLACEMENT], device)
+    per_rank = {f"rank_{k}": [row[i] for row in placed] for i, k in enumerate(PLACEMENT)}
+    return {**{k: sum(v) for k, v in zip(PLACEMENT, zip(*placed))}, **per_rank,
+            "epoch": stats.epoch, "resolution": res, "global_batch": gbs, "steps": stats.steps,
             "lr": stats.lr, "loss": loss, "seconds": stats.seconds,
             "samples_per_s": stats.samples_per_s * world, "data_wait_fraction": wait, "augment_s": aug,
             "skipped_steps": stats.skipped_steps, "cache_hits": int(hits), "cache_misses": int(misses),
@@ -274,8 +357,9 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
 
 
 def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pruner: checkpoint.Pruner,
-          pos: checkpoint.Position, schedules: dict[str, Any]) -> None:
+          pos: checkpoint.Position, schedules: dict[str, Any], sampler: DistributedBatchSampler) -> None:
+    state = sampler.state_dict() if isinstance(sampler, locality.LocalityBatchSampler) else None
     d = checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
                         scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
-                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner)
+                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner, sampler=state)
     log.info("checkpoint %s", d)

@@ -35,7 +35,7 @@ from datacache.fscheck import require_local_disk
 from datacache.stores.base import BaseStore, Store
 from datacache.stores.lmdb_store import LMDBStore
 from datacache.stores.memory import MemoryStore
-from datacache.stores.redis_common import COMMON_OPTIONS, cluster_location, standalone_location
+from datacache.stores.redis_common import COMMON_OPTIONS, LOCAL_OPTION, cluster_location, standalone_location
 
 __all__ = ["BaseStore", "LMDBStore", "MemoryStore", "Store", "open_store"]
 
@@ -103,7 +103,7 @@ for _scheme in ("redis", "rediss"):
                                options=dict(COMMON_OPTIONS)))
 register_scheme(SchemeSpec(
     "redis+cluster", _open_redis_cluster, location=cluster_location, check=_check_redis,
-    options={**COMMON_OPTIONS, "tls": OptionSpec("bool", "connect to the masters over TLS")}))
+    options={**COMMON_OPTIONS, **LOCAL_OPTION, "tls": OptionSpec("bool", "connect to the masters over TLS")}))
 
 
 def open_store(url: str | CacheSpec | StoreSpec) -> Any:

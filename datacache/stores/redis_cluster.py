@@ -19,6 +19,10 @@ Routing is done here, not by redis-py's cluster client, so a batch never waits o
 :meth:`RedisClusterStore.masters` and :meth:`RedisClusterStore.master_of` expose the map for the
 daemon's ownership (:mod:`cache_daemon.ownership`).
 
+Where each byte went: with ``?local=host:port`` (the master on this node) every ``get_many`` counts
+the hits and value bytes each master served as ``local_hits``/``local_bytes`` (that master) or
+``remote_hits``/``remote_bytes`` (any other) in :meth:`counters`; without it everything is remote.
+
 Per-process state (fork/spawn boundary): clients, the slot map, the refresh thread and the
 thread pool belong to the process that created them (pid-checked); a forked DataLoader worker
 builds its own on first use.
@@ -72,6 +76,8 @@ class RedisClusterStore(RedisStoreBase):
         _, _, rest = split_userinfo(spec.location, spec.url)
         self.seeds = [parse_hostport(p, spec.url) for p in rest.split(",")]
         self.tls = bool(spec.option("tls", False))
+        local = spec.option("local")  # the master on this node: its reads are counted as local
+        self.local = None if local is None else "{}:{}".format(*parse_hostport(local, spec.url))
         super().__init__(spec.url, fetch_bytes=spec.option("fetch_bytes", DEFAULT_FETCH_BYTES))
 
     def _reset_process_state(self) -> None:
@@ -89,7 +95,7 @@ class RedisClusterStore(RedisStoreBase):
         self._refreshing = False
         self._last_refresh = 0.0
         self._pool: ThreadPoolExecutor | None = None
-        self._counters.update(slot_refreshes=0)
+        self._counters.update(slot_refreshes=0, local_hits=0, local_bytes=0, remote_hits=0, remote_bytes=0)
 
     def _process_attrs(self) -> tuple[str, ...]:
         return (*super()._process_attrs(), "_pid", "_clients", "_nodes", "_slots", "_lock", "_refreshing",
@@ -237,7 +243,14 @@ class RedisClusterStore(RedisStoreBase):
 
     def _get_many(self, keys: list[bytes]) -> list[Value | None]:
         def op(client: Any, pos: list[int]) -> list[Any]:  # replies straight into one buffer per node
-            return pipelined_get(client, [keys[p] for p in pos], self.expected_bytes(len(pos)))
+            got = pipelined_get(client, [keys[p] for p in pos], self.expected_bytes(len(pos)))
+            # where the bytes came from (runs in a pool thread: _count takes the counters' lock)
+            local = self.local is not None and client is self._clients.get(self.local)
+            where = "local" if local else "remote"
+            values = [r for r in got if r is not None and not isinstance(r, Exception)]
+            self._count(f"{where}_hits", len(values))
+            self._count(f"{where}_bytes", sum(len(v) for v in values))
+            return got
 
         return self._fan_out(keys, op, "read", None)
 

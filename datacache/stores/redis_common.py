@@ -57,6 +57,9 @@ COMMON_OPTIONS: dict[str, OptionSpec] = {
     "ssl_cert_reqs": OptionSpec("str", "none, optional or required (TLS, default required)"),
     "ssl_check_hostname": OptionSpec("bool", "check the server's hostname (TLS)"),
 }
+# redis+cluster:// only: the master on this node, so reads are counted as local or remote bytes
+LOCAL_OPTION = {"local": OptionSpec("str", "host:port of the master on this node (counts local_bytes / "
+                                    "remote_bytes)")}
 
 
 def split_userinfo(raw: str, url: str) -> tuple[str | None, str | None, str]:

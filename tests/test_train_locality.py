@@ -1,0 +1,208 @@
+"""``--sampler local`` in real training runs: 2 gloo ranks as 2 "nodes" (LOCAL_WORLD_SIZE=1) on a real
+3-master Redis Cluster on loopback, each rank given its node's master with ``--local-master`` (on one
+host all masters are 127.0.0.1, so it cannot be found by address).
+
+* every sample is trained on exactly once per epoch over the ranks, every rank runs the same number of
+  batches, and each rank reads mostly its own master's samples; the trainer's per-rank local/remote
+  bytes equal a reference computed from the servers (``CLUSTER SLOTS``/``KEYSLOT``, ``STRLEN``);
+* a mid-epoch resume continues bit for bit, even after a reshard between the save and the resume
+  (the checkpoint carries the epoch's owners snapshot);
+* without a Redis Cluster tier ``local`` is an ordinary exactly-once shuffle (said once in the log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from tests.dist_utils import run_distributed
+from tests.redis_utils import cli, needs_redis
+from trainer.config import make_config
+
+pytestmark = needs_redis
+
+
+class _Recording:
+    """A batch sampler that records every request the DataLoader takes from the trainer's sampler."""
+
+    def __init__(self, sampler: Any, seen: list) -> None:
+        self.sampler, self.seen = sampler, seen
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        for req in self.sampler:
+            self.seen.append((req.epoch, req.step, list(req.indices)))
+            yield req
+
+
+def _rank(rank: int, world: int, cfg_values: dict, masters: list[str]) -> dict:
+    from trainer.config import TrainConfig
+    from trainer.data import train_loader
+    from trainer.run import train
+
+    seen: list = []
+
+    def make_loader(data, sampler):
+        return train_loader(data.train, _Recording(sampler, seen), workers=cfg.workers, seed=cfg.seed,
+                            crop_scale=cfg.crop_scale, flip=cfg.flip)
+
+    cfg = TrainConfig.from_dict({**cfg_values, "local_master": masters[rank]})
+    res = train(cfg, make_loader=make_loader, record_losses=True)
+    return {"seen": seen, "losses": res.step_losses, "epochs": res.epochs,
+            "state": {k: v.detach().numpy().copy() for k, v in res.model.state_dict().items()}}
+
+
+def _fill(root: str, url: str) -> list[bytes]:
+    from client.dataset import CachedImageNet
+
+    ds = CachedImageNet(root, cache=url, short_side=32)
+    ds.__getitems__(list(range(len(ds))))
+    return [ds.key(i) for i in range(len(ds))]
+
+
+def _owner_and_size(cluster, keys: list[bytes]) -> tuple[list[str], list[int]]:
+    """Each key's master and value size, asked of the servers (independent of the store's slot map)."""
+    r = redis.Redis(host="127.0.0.1", port=cluster.masters[0].port)
+    owner: dict[int, str] = {}
+    for start, end, master, *_ in r.execute_command("CLUSTER SLOTS"):
+        host = master[0].decode() if isinstance(master[0], bytes) else master[0]
+        for s in range(int(start), int(end) + 1):
+            owner[s] = f"{host}:{int(master[1])}"
+    clients = {m.addr: redis.Redis(host="127.0.0.1", port=m.port) for m in cluster.masters}
+    owners = [owner[int(r.execute_command("CLUSTER KEYSLOT", k))] for k in keys]
+    sizes = [int(clients[o].strlen(k)) for o, k in zip(owners, keys)]
+    return owners, sizes
+
+
+def _cfg(digits: dict, url: str, out: str, **kw) -> dict:
+    # the digits validation folder (359 images) as the training set: 180 per rank (one sample padded,
+    # as DistributedSampler pads), 5 batches of 36 -- no batch dropped
+    base = dict(data=digits["val"], val_data=digits["val"], cache=url, short_side=32,
+                model="small_resnet_cifar", width=4, zero_init_residual=False, resolution="16",
+                batch_size="72", epochs=2, lr=0.1, lr_scaling="none", workers=1, device="cpu", progress=False,
+                seed=5, val_every=0, sampler="local", exchange=0.1, out=out, keep_checkpoints=0)
+    return make_config(**{**base, **kw}).to_dict()
+
+
+@pytest.mark.slow
+def test_every_sample_once_equal_batches_and_bytes_per_rank(digits_data, redis_cluster, cluster_url,
+                                                          tmp_path) -> None:
+    keys = _fill(digits_data["val"], cluster_url)
+    n = len(keys)
+    assert n == 359 and -(-n // 2) == 5 * 36  # one padded sample, no batch dropped
+    masters = [redis_cluster.masters[0].addr, redis_cluster.masters[1].addr]  # node 0, node 1
+    owners, sizes = _owner_and_size(redis_cluster, keys)
+    cfg = _cfg(digits_data, cluster_url, str(tmp_path / "run"))
+    res = run_distributed(_rank, world_size=2, local_size=1, args=(cfg, masters))
+    for epoch in range(2):
+        per_rank = [[i for e, _, idx in r["seen"] if e == epoch for i in idx] for r in res]
+        steps = [[s for e, s, _ in r["seen"] if e == epoch] for r in res]
+        assert steps[0] == steps[1] == list(range(5))  # the same number of batches on every rank
+        both = per_rank[0] + per_rank[1]
+        assert sorted(set(both)) == list(range(n)) and len(both) == n + 1  # every sample once, 1 padded
+        for rank in range(2):  # mostly its own master's samples (the third master's go to either)
+            own = [i for i in range(n) if owners[i] == masters[rank]]
+            got = sum(1 for i in per_rank[rank] if owners[i] == masters[rank])
+            assert got >= 0.8 * len(own), (epoch, rank, got, len(own))
+            # the trainer's byte accounting = the servers' sizes of what this rank read, split by master
+            rec = res[0]["epochs"][epoch]
+            local = sum(sizes[i] for i in per_rank[rank] if owners[i] == masters[rank])
+            remote = sum(sizes[i] for i in per_rank[rank] if owners[i] != masters[rank])
+            assert (rec["rank_local_bytes"][rank], rec["rank_remote_bytes"][rank]) == (local, remote)
+        assert rec["local_bytes"] == sum(rec["rank_local_bytes"]) and rec["sampler"] == "local"
+    # the two epochs differ (seeded per epoch) and the log says where the bytes went
+    assert [r for e, _, r in res[0]["seen"] if e == 0] != [r for e, _, r in res[0]["seen"] if e == 1]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [x for x in lines if x["event"] == "epoch"]
+    assert epochs[0]["rank_local_bytes"] == res[0]["epochs"][0]["rank_local_bytes"]
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_is_bit_exact_across_a_reshard(digits_data, fresh_cluster, tmp_path) -> None:
+    url = fresh_cluster.url
+    keys = _fill(digits_data["val"], url)
+    masters = [fresh_cluster.masters[0].addr, fresh_cluster.masters[1].addr]
+    cfg = _cfg(digits_data, url, str(tmp_path / "a"), epochs=1, checkpoint_every=2, comm="naive_ag",
+               selector="exact", density=0.1)
+    full = run_distributed(_rank, world_size=2, local_size=1, args=(cfg, masters))
+    ckpt = tmp_path / "a" / "checkpoints" / "step00000002"
+    assert (ckpt / "train.pt").exists()
+    # move 4000 slots from master 0 to master 1: the owners of the remaining batches change
+    before, _ = _owner_and_size(fresh_cluster, keys)
+    a, b = fresh_cluster.masters[0], fresh_cluster.masters[1]
+    ids = {m.addr: cli(m.port, "cluster", "myid") for m in (a, b)}
+    out = subprocess.run(["redis-cli", "--cluster", "reshard", a.addr, "--cluster-from", ids[a.addr],
+                          "--cluster-to", ids[b.addr], "--cluster-slots", "4000", "--cluster-yes"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    fresh_cluster.wait_agreed()
+    after, _ = _owner_and_size(fresh_cluster, keys)
+    assert before != after  # the reshard really moved samples of this data set
+    resumed_cfg = {**cfg, "resume": str(ckpt), "out": str(tmp_path / "b")}
+    resumed = run_distributed(_rank, world_size=2, local_size=1, args=(resumed_cfg, masters))
+    for rank in range(2):
+        f, r = full[rank], resumed[rank]
+        assert [s for s in f["seen"] if s[1] >= 2] == r["seen"]  # the same remaining batches, same order
+        assert f["losses"][2:] == r["losses"]
+        for k, v in f["state"].items():
+            assert np.array_equal(v, r["state"][k]), k
+
+
+@pytest.mark.slow
+def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(digits_data, tmp_path,
+                                                                              capsys) -> None:
+    from datacache.config import ConfigError
+    from trainer.config import TrainConfig
+    from trainer.run import train
+
+    cfg = _cfg(digits_data, digits_data["cache"], str(tmp_path / "a"), epochs=1, checkpoint_every=2,
+               workers=0)
+    res = train(TrainConfig.from_dict(cfg))
+    said = capsys.readouterr().out
+    assert said.count("no Redis Cluster tier, so each epoch is an ordinary seeded exactly-once shuffle") == 1
+    assert res.epochs[0]["local_bytes"] == res.epochs[0]["remote_bytes"] == 0  # LMDB: nothing placed
+    ckpt = str(tmp_path / "a" / "checkpoints" / "step00000002")
+    for change, match in (({"sampler": "global"}, "saved mid-epoch with --sampler local"),
+                          ({"exchange": 0.3}, "exchange 0.1")):
+        bad = TrainConfig.from_dict({**cfg, **change, "resume": ckpt, "out": str(tmp_path / "b")})
+        with pytest.raises(ConfigError, match=match):
+            train(bad)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--sampler", "nearby"], "--sampler: invalid choice: 'nearby' (choose from"),
+    (["--exchange", "1.5"], "exchange=1.5; must be a fraction in [0, 1]"),
+    (["--local-master", "node0"], "local_master='node0' is not host:port"),
+    (["--local-master", "127.0.0.1:7000"], "the cache has no redis+cluster:// tier"),
+])
+def test_bad_sampler_options_are_one_line_errors(digits_data, tmp_path, args, expected) -> None:
+    cmd = [sys.executable, "-m", "trainer", "--data", digits_data["val"], "--cache", digits_data["cache"],
+           "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress", *args]
+    # a fresh one-rank run: not the torchrun variables an in-process train() of this pytest process set
+    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert expected in out.stderr and "Traceback" not in out.stderr
+    assert args[0] != "--sampler" or ("global" in out.stderr and "local" in out.stderr)  # the valid choices
+
+
+def test_unreachable_cluster_at_an_epoch_start_gives_a_plain_shuffle_epoch(caplog) -> None:
+    from datacache.stores import open_store
+    from trainer.distenv import free_port
+    from trainer.locality import epoch_owners
+
+    dead = open_store(f"redis+cluster://127.0.0.1:{free_port()}?connect_timeout=0.5")  # nothing listens
+    with caplog.at_level("WARNING", logger="trainer.locality"):
+        owners = epoch_owners(dead, [b"dc:x:%d" % i for i in range(7)], ["127.0.0.1:1"])
+    assert owners.dtype == np.int16 and owners.tolist() == [-1] * 7  # no node owns anything: plain shuffle
+    assert "cannot read the slot map" in caplog.text and "ordinary exactly-once shuffle" in caplog.text
