@@ -21,7 +21,7 @@ from torch import nn
 
 from tests.dist_utils import run_distributed, to_plain
 from tests.op_audit import ScatterAudit, SyncAudit
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.names import METHOD_CHOICES
 from trainer.comm.topology import check_layout
 
@@ -318,7 +318,7 @@ def _cuda_replicas(rank: int, world: int, config: CommConfig | None = None,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_decompression_deterministic_on_cuda() -> None:  # pragma: no cover - needs a GPU
     """Rows with heavy duplicates, added on the GPU: the same bits every time, equal to the CPU's."""
-    from trainer.comm.sparse_common import add_rows_
+    from trainer.comm.sparse_ops import add_rows_
 
     g = torch.Generator().manual_seed(0)
     idx = torch.stack([torch.randperm(1000, generator=g)[:800] for _ in range(16)]).to(torch.int32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.comm.selection import WORKSPACE_MIN_NUMEL, check_input, host_reads_free, take
+from trainer.comm.topk_keys import WORKSPACE_MIN_NUMEL, check_input, host_reads_free, take
 from trainer.comm.workspace import WORKSPACE
 
 
@@ -13,7 +13,7 @@ def exact_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exactly ``min(k, numel)`` entries with the largest ``|x|``: (values ``x[idx]``, int32 idx).
 
     Ties at the k-th magnitude are broken by ``torch.topk`` (unspecified order); NaN/inf rank
-    above every finite value (``torch.topk``'s order, the policy of ``selection.py``). Indices are
+    above every finite value (``torch.topk``'s order, the policy of ``topk_keys.py``). Indices are
     unique, in no particular order. No host sync (``torch.topk`` has a static output size).
     """
     k = check_input(x, k, "exact_topk")
