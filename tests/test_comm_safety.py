@@ -124,14 +124,14 @@ def _replica_checks(rank: int) -> dict:
 def _sync_checks(rank: int) -> dict:
     """The CUDA code path, forced on CPU tensors, under the sync audit: functional forms and a
     DDP backward whose hooks run inside the audit."""
-    from trainer.comm import HOOKS, fp16_wrapper, register, selection
+    from trainer.comm import HOOKS, fp16_wrapper, register, topk_keys
     from trainer.comm.hitopk import hitopk_ex
     from trainer.comm.naive_ag import naive_ag_ex
     from trainer.comm.topology import Topology
 
     topo = Topology.from_env()
     found: list[str] = []
-    selection.DEVICE_PATH_ON_CPU = True
+    topk_keys.DEVICE_PATH_ON_CPU = True
     try:
         for fp16 in (False, True):
             g = torch.randn(6000, generator=torch.Generator().manual_seed(rank))
@@ -162,7 +162,7 @@ def _sync_checks(rank: int) -> dict:
                     state.finish_step()
         found += [f for a in audits for f in a.found]
     finally:
-        selection.DEVICE_PATH_ON_CPU = False
+        topk_keys.DEVICE_PATH_ON_CPU = False
     return {"sync_found": found, "sync_bad_flag": bool(bad1), "hook_calls": len(audits)}
 
 
