@@ -21,7 +21,7 @@ def exact_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         idx = torch.arange(k, device=x.device)
         return take(x, idx), idx.to(torch.int32)
     if host_reads_free(x) and x.numel() >= WORKSPACE_MIN_NUMEL:
-        # CPU: reuse the |x| buffer (a fresh 25M buffer costs ~50 ms of page faults).
+        # CPU: reuse the |x| buffer (fresh large buffers cost page faults; bench/results/NOTES.md).
         a = torch.abs(x, out=WORKSPACE.get("exact_abs", x.numel(), x.dtype, x.device))
     else:
         # CUDA: the caching allocator has no page-fault cost, and a fresh buffer cannot be
