@@ -1,4 +1,4 @@
-"""FP16 wire format as a wrapper around any of this package's hooks, like PyTorch's
+"""FP16 wire format as a wrapper around any DDP comm hook (this package's, or a plain one), like PyTorch's
 ``fp16_compress_wrapper``::
 
     ddp.register_comm_hook(state, fp16_wrapper(hitopk_hook))   # or CommConfig(fp16=True)
