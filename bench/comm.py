@@ -102,8 +102,8 @@ def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -
 def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dict[str, list[float]]]:
     import torch
 
-    from trainer.comm.selectors import get_selector
-    from trainer.comm.sparse_common import add_rows_, compensate, wire_and_flag
+    from trainer.comm.selector_registry import get_selector
+    from trainer.comm.sparse_ops import add_rows_, compensate, wire_and_flag
 
     sel = get_selector("mstopk")
     g = torch.Generator().manual_seed(1234)

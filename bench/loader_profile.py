@@ -15,7 +15,7 @@ import torch
 
 from client.augment import _new_batch, resize_crops, rrc_params_batch
 from client.dataset import CachedImageNet
-from client.storeio import to_chw_tensor
+from client.tensor_view import to_chw_tensor
 from datacache.record import decode_record
 
 

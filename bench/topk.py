@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS_DIR, print_machine, write_results
-from trainer.comm.selectors import SELECTOR_CHOICES, get_selector
+from trainer.comm.selector_registry import SELECTOR_CHOICES, get_selector
 
 DENSITIES = (0.001, 0.01)
 METHODS = ("exact", "dgc", "mstopk")

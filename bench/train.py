@@ -54,12 +54,12 @@ from client.crop import TaggedDataset, pack_windows
 from client.dataset import CachedImageNet
 from datacache.config import user_cache_dir
 from datacache.manifest import Manifest
-from trainer.config import make_config
+from trainer.build import make_amp, make_ddp, make_model, make_optimizer
 from trainer.data import DistributedBatchSampler, train_loader, worker_kwargs
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import init_distributed
 from trainer.loop import StepContext, train_epoch
-from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
+from trainer.train_config import make_config
 
 SIZE = 64
 ROUNDS = 2

@@ -20,12 +20,12 @@ from torch import nn
 
 from bench.common import write_results
 from client.dataset import CachedImageNet
-from trainer.config import make_config
+from trainer.build import make_amp, make_ddp, make_model, make_optimizer
 from trainer.data import DistributedBatchSampler, train_loader
 from trainer.device_augment import DeviceAugment
 from trainer.loop import StepContext, train_step
 from trainer.prefetch import Prefetcher
-from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
+from trainer.train_config import make_config
 
 SIZE, BATCH, STEPS, WARMUP = 128, 256, 60, 10
 

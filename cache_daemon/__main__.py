@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from cache_daemon.config import DEFAULT_CONFIG, DatasetSpec, load_config
+    from cache_daemon.daemon_config import DEFAULT_CONFIG, DatasetSpec, load_config
     from datacache.config import ConfigError
 
     path = args.config or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)

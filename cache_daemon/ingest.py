@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_daemon.config import DaemonConfig, DatasetSpec
+from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
 from cache_daemon.decoders import variant_for
 from cache_daemon.ownership import owned_mask
 from cache_daemon.watchdog import Watchdog

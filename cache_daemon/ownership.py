@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from cache_daemon.config import DaemonConfig
+from cache_daemon.daemon_config import DaemonConfig
 
 
 def hash_owner(keys: Sequence[bytes], world_size: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 ``POST /datasets`` on any daemon (``datacache warm --via-daemon URL`` does it, with the API token)
 validates the dataset against that daemon's ``allowed_sources`` and adds it to the Redis hash
 ``dcd:datasets`` (field = ``source|variant``, value = msgpack of the
-:class:`~cache_daemon.config.DatasetSpec` fields), at most ``max_registrations`` entries.
+:class:`~cache_daemon.daemon_config.DatasetSpec` fields), at most ``max_registrations`` entries.
 ``DELETE /datasets/{id}`` removes one. Every daemon reads the hash before each fill pass, so each
 ingests its own share of a dataset registered on any node.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from cache_daemon.config import DatasetSpec, source_allowed
+from cache_daemon.daemon_config import DatasetSpec, source_allowed
 from datacache.config import ConfigError
 from datacache.fillstatus import status_store
 

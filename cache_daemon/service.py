@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any
 
-from cache_daemon.config import DaemonConfig, DatasetSpec, source_allowed
+from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, source_allowed
 from cache_daemon.decoders import make_decoder
 from cache_daemon.ingest import DatasetState, ingest_pass
 from cache_daemon.registry import register, registered, unregister

@@ -8,8 +8,9 @@ and whose long side varies. Training wants one fixed-size ``uint8 [B, 3, S, S]``
   ``(0.08, 1)``, log-uniform aspect ratio ``(3/4, 4/3)``, 10 tries, then a centre crop
   clamped to the ratio range), drawn from a ``torch.Generator`` so results are reproducible.
   :func:`rrc_params_batch` evaluates all 10 tries of all samples at once in torch and picks
-  the first valid try per row (~0.3 ms for 256 samples; the per-sample Python loop it replaced
-  took 2.5-3 ms), with the same draws and the same boxes as the per-sample :func:`rrc_params`;
+  the first valid try per row (measured much faster than the per-sample Python loop it
+  replaced, bench/results/NOTES.md#augment), with the same draws and the same boxes as the
+  per-sample :func:`rrc_params`;
 * the resize runs in torch for the whole batch. Two methods are implemented:
 
   - ``"interpolate"`` (default): each crop is a strided *view* of its source (one
@@ -21,16 +22,14 @@ and whose long side varies. Training wants one fixed-size ``uint8 [B, 3, S, S]``
     batch. One call, but it has to convert the padded batch to float first and it does not
     antialias (aliasing when shrinking a 320-px crop to 128).
 
-  Measured on this (shared, 2-core) machine, B=256 crops of 160x(160..320) HWC records to
-  128 px, one thread: "interpolate" ~12-16 ms per batch (~45 us a crop, nearly all of it in
-  the kernel), "grid" 290-530 ms (the float conversion of the padded batch and grid_sample's
-  per-pixel gather dominate), so "interpolate" is the default and "grid" is kept for comparison
-  (``python -m client.augment`` re-measures). Contiguous CHW inputs are ~2x slower than the
-  HWC-backed views the cache yields.
+  "interpolate" measured more than an order of magnitude faster than "grid" (whose float
+  conversion of the padded batch and per-pixel gather dominate; figures in bench/results/NOTES.md#augment), so
+  "interpolate" is the default and "grid" is kept for comparison (``python -m client.augment``
+  re-measures). Contiguous CHW inputs are slower than the HWC-backed views the cache yields.
 * the flip mirrors each chosen sample right after its resize, while its 48 KiB slot is still in
-  cache (``slot.copy_(slot.flip(1))`` in HWC order, ~15 us a sample). The batched
-  ``out[idx] = out[idx].flip(-1)`` used before gathered, flipped and scattered the channels_last
-  batch with 3-byte strides and cost 9-16 ms per batch, as much as all the resizes.
+  cache (``slot.copy_(slot.flip(1))`` in HWC order). The batched ``out[idx] = out[idx].flip(-1)``
+  used before gathered, flipped and scattered the channels_last batch with 3-byte strides and
+  cost as much as all the resizes (measured, see the augment notes).
 
 :class:`AugmentCollate` is a ``collate_fn`` for ``torch.utils.data.DataLoader``: it runs in
 the DataLoader worker processes, so augmentation is parallel across workers. The trainer splits
@@ -104,7 +103,7 @@ def rrc_params_batch(sizes: Sequence[tuple[int, int]], generator: torch.Generato
     tries of every sample are evaluated at once in float64 and the first valid try of each row
     is picked (``argmax`` of the validity mask returns the first ``True``). Rows where all 10 tries
     fail (rare for real images) take torchvision's centre-crop fallback in Python. Per-sample
-    Python loops over the tries cost ~10 us a sample; this is ~0.3 ms for a batch of 256.
+    This replaced per-sample Python loops over the tries (measured faster: bench/results/NOTES.md#augment).
     """
     n = len(sizes)
     tries = torch.rand((n, 10, 2), generator=generator).double()
@@ -202,24 +201,24 @@ def resize_crops(images: Sequence[torch.Tensor], boxes: list[tuple[int, int, int
     direct = _AA is not None and _NOAA is not None
     for k, (img, (top, left, h, w)) in enumerate(zip(images, boxes)):
         # The crop as a strided [1, 3, h, w] view of the record (no copy). One as_strided call
-        # is ~4 us cheaper per sample than img[:, t:t+h, l:l+w].unsqueeze(0).
+        # is measurably cheaper per sample than img[:, t:t+h, l:l+w].unsqueeze(0).
         sc, sy, sx = img.stride()
         crop = img.as_strided((1, 3, h, w), (sc * 3, sc, sy, sx), img.storage_offset() + top * sy + left * sx)
         # Antialiasing only changes the result when shrinking; skipping it when enlarging saves time.
         antialias = h > size or w > size
         if direct:
             # The ATen kernels directly, writing into the batch slot (out=): no output temporary
-            # and none of F.interpolate's ~10 us of Python argument checking per call. (The
-            # kernel itself copies a crop narrower than its record into a contiguous buffer
-            # first: ~8 % of its time in `perf`; the separable passes are ~70 %.)
+            # and none of F.interpolate's Python argument checking per call. (The kernel itself
+            # copies a crop narrower than its record into a contiguous buffer first: a small
+            # share of its time in `perf`; the separable passes dominate. Figures: bench/results/NOTES.md.)
             (_AA if antialias else _NOAA)(crop, (size, size), False, None, out=slots[k])
         else:  # pragma: no cover - torch builds without these private entry points
             out[k] = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=antialias,
                                    align_corners=False)[0]
         if flips[k]:
             # Mirror the slot while it is still in cache: one 48 KiB flip + copy in HWC order
-            # (~15 us). A batched ``out[idx] = out[idx].flip(-1)`` over the channels_last batch
-            # gathers, flips and scatters with 3-byte strides: 9-16 ms per batch of 256.
+            # A batched ``out[idx] = out[idx].flip(-1)`` over the channels_last batch gathers,
+            # flips and scatters with 3-byte strides: measured far slower (bench/results/NOTES.md).
             sample = hwc[k]
             sample.copy_(sample.flip(1))
     return out

@@ -1,7 +1,7 @@
 """Host half of the split augmentation: loader workers only cut crop windows out of the records.
 
 Resizing every random-resized-crop on the CPU in the loader workers (:class:`client.augment.
-AugmentCollate`, ~45 us a crop at 128 px) is the largest cost of a warm batch. The trainer
+AugmentCollate`; bench/results/NOTES.md#crop) is the largest cost of a warm batch. The trainer
 splits the work: a worker draws each sample's box exactly as torchvision's RandomResizedCrop
 does (:func:`client.augment.draw_crops`, the same draws as the CPU path), copies the box's
 pixels -- a slice and a ``memcpy`` per row, nothing else -- into ONE uint8 batch buffer (packed
@@ -227,8 +227,8 @@ def pack_windows(images: Sequence[Tensor], windows: Sequence[tuple[int, int, int
     Returns ``(pixels uint8 [N], offsets int64 [B])``. The buffer is in shared memory inside a
     DataLoader worker (:func:`client.augment.shared_uint8`). Images that are views of HWC memory
     (CachedImageNet's records) copy one contiguous run per row. The copies go through numpy views
-    of the same memory: ~1 ms for 256 windows, against ~5 ms with torch indexing, whose per-call
-    overhead (~10 us a sample) dominated.
+    of the same memory: measured several times faster than torch indexing, whose per-call
+    overhead dominated (bench/results/NOTES.md#crop).
     """
     sizes = np.array([h * w * 3 for _, _, h, w in windows], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sizes) else sizes

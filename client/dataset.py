@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from client.shared_manifest import share_manifest
 from client.stats import PLACEMENT, PLACEMENT_COUNTERS, SharedCounters, format_stats
-from client.storeio import to_chw_tensor
+from client.tensor_view import to_chw_tensor
 from datacache.cacheurl import parse_cache_url
 from datacache.columns import ArrayView, PairsView
 from datacache.config import ConfigError, Variant, default_cache_url

@@ -28,13 +28,12 @@ One definition of a variant's pixels
       which Pillow never uses); the resize is Pillow's. Both are libjpeg-turbo with the same IDCT and
       upsampling: byte-identical on the vendored Pillow corpus (``tests/test_decode_corpus.py``), and
       each process re-checks it once on synthetic JPEGs before using it (:func:`simplejpeg_agrees`);
-      on any mismatch simplejpeg is not used. Its JPEG decode alone is ~20 % faster, but decode +
-      resize end to end is within noise of Pillow's draft path (measured 2026-11-23, 500x375:
-      ~990 vs ~950 images/s); ``DATACACHE_DECODER=pil`` turns it off.
+      on any mismatch simplejpeg is not used. Its JPEG decode alone is faster, but decode + resize
+      end to end is within noise of Pillow's draft path (bench/results/NOTES.md#decode);
+      ``DATACACHE_DECODER=pil`` turns it off.
     * torch's antialiased bilinear kernel is **not** used: it differs from Pillow's in ~0.1-0.5 % of
-      values (by 1), so a daemon and a client would write different bytes for the same key. Cost of
-      dropping it (and the M/8 scaling), measured one core with torch loaded: 500x375 JPEG ~1,070 ->
-      ~950 images/s, 300x225 ~1,600 -> ~1,350, 1024x768 ~350 -> ~340 (5-15 %).
+      values (by 1), so a daemon and a client would write different bytes for the same key. Dropping
+      it (and the M/8 scaling) costs a few percent of decode throughput (bench/results/NOTES.md#decode).
     * pillow-simd replaces ``PIL`` itself and its resize does not reproduce Pillow's (measured
       2026-11-23, pillow-simd 12.1.1.post0 built here in a separate venv vs Pillow 13.0.0, this policy
       on the corpus: full-size decodes identical, 73 of 123 resized outputs differ, 0.3 % of values by

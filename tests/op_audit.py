@@ -4,7 +4,7 @@
 are a host/device sync on CUDA (``.item()``/``bool()``/``int()`` of a tensor, ``nonzero``,
 boolean-mask indexing, ``unique``, ``masked_select``, ``repeat_interleave`` without an output
 size, ``bincount``, ``equal``...). Run the CUDA code path on CPU tensors under it (see
-``trainer.comm.selection.DEVICE_PATH_ON_CPU``): an empty ``found`` list means the code would
+``trainer.comm.topk_keys.DEVICE_PATH_ON_CPU``): an empty ``found`` list means the code would
 not sync on CUDA. This list is the reference the tests rely on; ``torch.cuda.set_sync_debug_mode``
 is the check on a real GPU.
 

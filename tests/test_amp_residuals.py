@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 
 SCALES = (1024.0, 2048.0, 512.0)  # powers of two, as GradScaler's
 

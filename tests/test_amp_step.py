@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed, to_plain
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 
 WORLD, LOCAL = 2, 1
 GROWTH_INTERVAL = 2

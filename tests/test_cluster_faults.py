@@ -88,7 +88,7 @@ def test_master_killed_mid_epoch_then_restarted_empty(fresh_cluster, imagefolder
 
 
 def test_moved_slots_are_misses_then_refreshed_and_ownership_follows(fresh_cluster, caplog) -> None:
-    from cache_daemon.config import DaemonConfig
+    from cache_daemon.daemon_config import DaemonConfig
     from cache_daemon.ownership import owned_mask
     from datacache.stores import open_store
 

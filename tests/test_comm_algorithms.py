@@ -15,8 +15,8 @@ from torch.testing import assert_close
 
 from tests.dist_utils import run_distributed
 from trainer.comm.collectives import pack, unpack
-from trainer.comm.selectors import get_selector
-from trainer.comm.sparse_common import choose_k
+from trainer.comm.selector_registry import get_selector
+from trainer.comm.sparse_ops import choose_k
 from trainer.comm.timing import PhaseTimer
 
 WORLD, LOCAL = 4, 2

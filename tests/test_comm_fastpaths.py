@@ -13,9 +13,9 @@ import torch
 
 from tests.dist_utils import run_distributed, to_plain
 from trainer.comm.collectives import parse_backend_config
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.hitopk import choose_final_gather
-from trainer.comm.sparse_common import flag_is_set, mask_values_, update_residual
+from trainer.comm.sparse_ops import flag_is_set, mask_values_, update_residual
 from trainer.comm.workspace import Workspace
 
 WORLD, LOCAL = 4, 2

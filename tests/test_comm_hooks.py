@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from tests.dist_utils import run_distributed
 from tests.test_comm_algorithms import from_plain, to_plain
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.error_feedback import ErrorFeedback
 from trainer.comm.state import HookState
 from trainer.comm.switch import MethodSchedule

@@ -21,7 +21,7 @@ from torch import nn
 
 from tests.dist_utils import run_distributed, to_plain
 from tests.op_audit import ScatterAudit, SyncAudit
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.names import METHOD_CHOICES
 from trainer.comm.topology import check_layout
 
@@ -124,14 +124,14 @@ def _replica_checks(rank: int) -> dict:
 def _sync_checks(rank: int) -> dict:
     """The CUDA code path, forced on CPU tensors, under the sync audit: functional forms and a
     DDP backward whose hooks run inside the audit."""
-    from trainer.comm import HOOKS, fp16_wrapper, register, selection
+    from trainer.comm import HOOKS, fp16_wrapper, register, topk_keys
     from trainer.comm.hitopk import hitopk_ex
     from trainer.comm.naive_ag import naive_ag_ex
     from trainer.comm.topology import Topology
 
     topo = Topology.from_env()
     found: list[str] = []
-    selection.DEVICE_PATH_ON_CPU = True
+    topk_keys.DEVICE_PATH_ON_CPU = True
     try:
         for fp16 in (False, True):
             g = torch.randn(6000, generator=torch.Generator().manual_seed(rank))
@@ -162,7 +162,7 @@ def _sync_checks(rank: int) -> dict:
                     state.finish_step()
         found += [f for a in audits for f in a.found]
     finally:
-        selection.DEVICE_PATH_ON_CPU = False
+        topk_keys.DEVICE_PATH_ON_CPU = False
     return {"sync_found": found, "sync_bad_flag": bool(bad1), "hook_calls": len(audits)}
 
 
@@ -318,7 +318,7 @@ def _cuda_replicas(rank: int, world: int, config: CommConfig | None = None,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_decompression_deterministic_on_cuda() -> None:  # pragma: no cover - needs a GPU
     """Rows with heavy duplicates, added on the GPU: the same bits every time, equal to the CPU's."""
-    from trainer.comm.sparse_common import add_rows_
+    from trainer.comm.sparse_ops import add_rows_
 
     g = torch.Generator().manual_seed(0)
     idx = torch.stack([torch.randperm(1000, generator=g)[:800] for _ in range(16)]).to(torch.int32)

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from cache_daemon.config import load_config
+from cache_daemon.daemon_config import load_config
 from datacache.config import ConfigError
 from datacache.record import decode_record
 from datacache.redis_local import free_port
@@ -256,7 +256,7 @@ def _one_pass(cache: str, root: str, **cfg_kw):
     """One in-process ingest pass over ``root`` into ``cache``; returns (state, report, store)."""
     import threading
 
-    from cache_daemon.config import DaemonConfig, DatasetSpec
+    from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
     from cache_daemon.ingest import DatasetState, ingest_pass
     from datacache.cacheurl import parse_cache_url
 

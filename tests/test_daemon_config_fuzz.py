@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cache_daemon.config import DaemonConfig, load_config
+from cache_daemon.daemon_config import DaemonConfig, load_config
 from datacache.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

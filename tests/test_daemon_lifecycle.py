@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_daemon.config import DaemonConfig, load_config
+from cache_daemon.daemon_config import DaemonConfig, load_config
 from cache_daemon.watchdog import Watchdog
 from datacache.config import ConfigError
 from datacache.redis_local import free_port

@@ -20,7 +20,7 @@ from typing import ClassVar
 import msgpack
 import pytest
 
-from cache_daemon.config import DaemonConfig, DatasetSpec, normalize_source, source_allowed
+from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, normalize_source, source_allowed
 from cache_daemon.registry import REGISTRY_KEY, registered
 from tests.redis_utils import needs_redis
 

@@ -111,7 +111,7 @@ def test_daemon_pass_with_dali_fills_and_reports_the_dali_tag(photos: str, tmp_p
     client asking for ``decoder_family="dali"`` reads them, one asking for ``pil`` does not."""
     import threading
 
-    from cache_daemon.config import DaemonConfig, DatasetSpec
+    from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
     from cache_daemon.ingest import DatasetState, ingest_pass
 
     cache = f"lmdb://{tmp_path}/lmdb"

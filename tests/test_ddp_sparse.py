@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed, to_plain
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.mstopk import COMPACT_MIN_NUMEL
 
 WORLD, LOCAL, NODES = 4, 2, 2

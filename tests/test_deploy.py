@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 import yaml
 
-from cache_daemon.config import load_config
+from cache_daemon.daemon_config import load_config
 from datacache.redis_local import RedisServer, free_port, free_ports
 from tests.redis_utils import needs_redis
 

@@ -31,7 +31,7 @@ from bench.emucluster import (
     fill_redis_conf,
     why_unavailable,
 )
-from cache_daemon.config import load_config
+from cache_daemon.daemon_config import load_config
 
 SKIP = why_unavailable()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")

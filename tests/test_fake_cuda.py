@@ -94,7 +94,7 @@ def test_checkpoint_resumed_into_cuda_buckets(tmp_path) -> None:
 @pytest.mark.parametrize("name", ["mstopk", "exact"])
 def test_selectors_device_branch_stays_on_cuda(name: str) -> None:
     from trainer.comm.mstopk import mstopk_with_info
-    from trainer.comm.selectors import get_selector
+    from trainer.comm.selector_registry import get_selector
 
     with fake():
         x = torch.randn(50_000, device="cuda")

@@ -94,7 +94,7 @@ def test_store_daemon_and_fill_paths_work_as_the_datacache_user(conf_cluster, tm
         fill = read_fill(s, "0123456789abcdef", "t160")
         assert fill["n1"]["done"] == 4 and summarize(fill, 20)["done"] == 4
         # the registry of POST / DELETE /datasets (HSET, HGETALL, HDEL on dcd:datasets)
-        from cache_daemon.config import DatasetSpec
+        from cache_daemon.daemon_config import DatasetSpec
         from cache_daemon.registry import register, registered, unregister
 
         spec = DatasetSpec(source=str(tmp_path / "reg"))

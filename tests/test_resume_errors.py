@@ -14,7 +14,7 @@ import pytest
 from datacache.config import ConfigError
 from tests.dist_utils import free_port
 from trainer import checkpoint
-from trainer.config import make_config
+from trainer.train_config import make_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tests.op_audit import SyncAudit
-from trainer.comm import selection
+from trainer.comm import topk_keys
 from trainer.comm.dgc import dgc_topk_with_info
 from trainer.comm.exact_topk import exact_topk
 from trainer.comm.mstopk import COMPACT_MIN_NUMEL, mstopk, mstopk_with_info
-from trainer.comm.selectors import SELECTOR_CHOICES, get_selector
+from trainer.comm.selector_registry import SELECTOR_CHOICES, get_selector
 
 D = 1 << 20  # ~1M
 SMALL, LARGE = 5000, 200_000  # device path only / compact path on CPU (>= COMPACT_MIN_NUMEL)
@@ -104,7 +104,7 @@ def test_wrong_bracket_still_exact(kind: str) -> None:
     """The sample's bracket only saves work: too high (no candidates), too low (everything) and
     a near miss (a few candidates short) all give the exact result."""
     x = _data(kind, LARGE, seed=3)
-    keys = selection.magnitude_keys(x)
+    keys = topk_keys.magnitude_keys(x)
     for k in (LARGE // 1000, LARGE // 100):
         ref = _reference(x, k)
         kth = int(torch.topk(keys, k).values[-1])
@@ -151,13 +151,13 @@ def test_device_path_has_no_host_sync() -> None:
     with SyncAudit() as audit:
         mstopk_with_info(x, 2000, path="compact")
     assert "nonzero" in " ".join(audit.found)
-    selection.DEVICE_PATH_ON_CPU = True
+    topk_keys.DEVICE_PATH_ON_CPU = True
     try:
         with SyncAudit() as audit:
             res = mstopk_with_info(x, 2000)
             exact_topk(x, 2000)
     finally:
-        selection.DEVICE_PATH_ON_CPU = False
+        topk_keys.DEVICE_PATH_ON_CPU = False
     assert res.path == "device" and audit.found == []
 
 
@@ -228,15 +228,15 @@ def test_sparse_nonzero() -> None:
     g = torch.Generator().manual_seed(0)
     for n, p in ((8, 0.5), (4096, 0.0), (4096, 1.0), (80_000, 0.001), (80_000, 0.3)):
         mask = torch.rand(n, generator=g) < p
-        assert torch.equal(selection.sparse_nonzero(mask), torch.nonzero(mask).squeeze(1))
+        assert torch.equal(topk_keys.sparse_nonzero(mask), torch.nonzero(mask).squeeze(1))
 
 
 def test_workspace_reused() -> None:
     x = torch.randn(1 << 20)
     mstopk(x, 300)
-    k1 = selection.WORKSPACE.get("select_keys", x.numel(), torch.int32, x.device)
+    k1 = topk_keys.WORKSPACE.get("select_keys", x.numel(), torch.int32, x.device)
     mstopk(x * 2, 300)
-    k2 = selection.WORKSPACE.get("select_keys", x.numel(), torch.int32, x.device)
+    k2 = topk_keys.WORKSPACE.get("select_keys", x.numel(), torch.int32, x.device)
     assert k1.data_ptr() == k2.data_ptr()
 
 

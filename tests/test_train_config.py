@@ -10,11 +10,11 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from datacache.config import ConfigError
+from trainer.build import comm_config
 from trainer.cli import build_parser, grid_configs, main
-from trainer.config import TrainConfig, make_config
 from trainer.data import DistributedBatchSampler, ShardSampler, split_indices
 from trainer.schedule import EpochSchedule, LRSchedule, positive_int
-from trainer.setup import comm_config
+from trainer.train_config import TrainConfig, make_config
 
 
 def test_epoch_schedule_parse_and_errors() -> None:
@@ -146,7 +146,7 @@ def test_sweep_grid_product() -> None:
 
 
 def test_model_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
-    from trainer.setup import make_model
+    from trainer.build import make_model
 
     cfg = make_config(model="small_resnet", width=4, seed=3)
     before = torch.get_rng_state()
@@ -157,7 +157,7 @@ def test_model_init_is_seeded_and_leaves_the_global_rng_alone() -> None:
 
 
 def test_amp_and_memory_format_choices() -> None:
-    from trainer.setup import channels_last, make_amp, make_model
+    from trainer.build import channels_last, make_amp, make_model
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     with pytest.raises(ConfigError, match="amp=fp16 needs CUDA"):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tests.dist_utils import run_distributed
-from trainer.config import make_config
+from trainer.train_config import make_config
 
 WORLD, LOCAL = 4, 2
 PER_RANK = 6
@@ -34,9 +34,9 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _steps(cfg, rank: int, steps: int) -> list[list[np.ndarray]]:
     """The parameters after each of ``steps`` trainer steps on this rank."""
+    from trainer.build import make_amp, make_ddp, make_model, make_optimizer
     from trainer.device_augment import DeviceAugment
     from trainer.loop import StepContext, train_step
-    from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
 
     dev = torch.device("cpu")
     model = make_model(cfg, 10, dev)
@@ -61,7 +61,7 @@ def _methods_rank(rank: int, world: int) -> dict:
 def _reference(cfg, steps: int) -> list[np.ndarray]:
     """Independent re-statement of a DDP step: each rank's forward/backward on its shard with the
     same weights, gradients averaged over ranks, then torch's SGD (weight decay on weights only)."""
-    from trainer.setup import make_model
+    from trainer.build import make_model
 
     model = make_model(cfg, 10, torch.device("cpu"))
     decay = [p for p in model.parameters() if p.ndim > 1]
@@ -105,8 +105,8 @@ def test_one_step_per_comm_method_on_4_ranks() -> None:
 
 
 def _train_rank(rank: int, world: int, cfg_values: dict) -> dict:
-    from trainer.config import TrainConfig
     from trainer.run import train
+    from trainer.train_config import TrainConfig
 
     res = train(TrainConfig.from_dict(cfg_values), record_losses=True)
     assert res.model is not None
@@ -142,9 +142,9 @@ def test_resume_mid_epoch_reproduces_the_run_bit_for_bit(digits_data: dict, tmp_
 
 
 def _cuda_amp_rank(rank: int, world: int) -> dict:  # pragma: no cover - GPU only
+    from trainer.build import make_amp, make_ddp, make_model, make_optimizer
     from trainer.device_augment import DeviceAugment
     from trainer.loop import StepContext, train_step
-    from trainer.setup import make_amp, make_ddp, make_model, make_optimizer
 
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = _cfg(comm="hitopk", density=0.05, amp="fp16", channels_last="auto", device="cuda")

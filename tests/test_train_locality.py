@@ -24,7 +24,7 @@ import redis
 
 from tests.dist_utils import run_distributed
 from tests.redis_utils import cli, needs_redis
-from trainer.config import make_config
+from trainer.train_config import make_config
 
 pytestmark = needs_redis
 
@@ -45,9 +45,9 @@ class _Recording:
 
 
 def _rank(rank: int, world: int, cfg_values: dict, masters: list[str]) -> dict:
-    from trainer.config import TrainConfig
     from trainer.data import train_loader
     from trainer.run import train
+    from trainer.train_config import TrainConfig
 
     seen: list = []
 
@@ -161,8 +161,8 @@ def test_mid_epoch_resume_is_bit_exact_across_a_reshard(digits_data, fresh_clust
 def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(digits_data, tmp_path,
                                                                               capsys) -> None:
     from datacache.config import ConfigError
-    from trainer.config import TrainConfig
     from trainer.run import train
+    from trainer.train_config import TrainConfig
 
     cfg = _cfg(digits_data, digits_data["cache"], str(tmp_path / "a"), epochs=1, checkpoint_every=2,
                workers=0)

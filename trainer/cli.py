@@ -1,7 +1,7 @@
 """``python -m trainer`` / ``datacache-train``: train, sweep, and render the digits dataset.
 
 Exit codes: 0 ok, 2 usage or configuration error (one line, ``datacache-train: error: ...``), 1 any
-other error. The training flags are generated from :class:`trainer.config.TrainConfig`'s fields
+other error. The training flags are generated from :class:`trainer.train_config.TrainConfig`'s fields
 (``--batch-size`` for ``batch_size``, ``--flip/--no-flip`` for booleans), so the help below is the
 config's own documentation.
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from datacache.config import ConfigError
-from trainer.config import RECIPES, TrainConfig, make_config
+from trainer.train_config import RECIPES, TrainConfig, make_config
 
 PROG = "datacache-train"
 EPILOG = textwrap.dedent("""\

@@ -13,11 +13,11 @@ the batch is on:
   to 64. Sampling is clamped to each window (rows/columns past ``h_k``/``w_k`` get weight 0,
   as Pillow renormalises at an image edge); fractional boxes (validation's resize-then-centre-
   crop) are exact. A flip reverses the rows of ``Wx``: free. Two batched GEMMs: nothing on a
-  GPU (~12 GFLOP for 256 crops of 160x213 to 128 px), but dense, so on a CPU they cost
-  ~0.7 ms a sample at 64 px (2 cores) where the band of non-zero weights is ~6 wide.
+  GPU, but dense, so on a CPU they are slow where the band of non-zero weights is only a few
+  wide (bench/results/NOTES.md#device-augment).
 * ``"interpolate"``: per sample, torch's uint8 antialiased bilinear kernel (the same filter,
   rounding to uint8 between its two passes as Pillow does) writes into the batch
-  (:func:`client.augment.resize_crops`): ~25-45 us a crop on a CPU core. CPU batches only: on a
+  (:func:`client.augment.resize_crops`; bench/results/NOTES.md#device-augment). CPU batches only: on a
   GPU it would need a device -> host read of the window sizes and one kernel launch per sample
   (and CUDA's antialiased upsample may not take uint8), so a device batch is refused with one
   line. Boxes must be whole windows (training batches, ``size == 0``).

@@ -25,8 +25,8 @@ import torch
 
 from client.locality_sampler import owners_digest, owners_from_store, plan_epoch
 from datacache.config import ConfigError
-from trainer.config import SAMPLER_CHOICES  # noqa: F401  (re-exported: the sampler's names)
 from trainer.data import DistributedBatchSampler
+from trainer.train_config import SAMPLER_CHOICES  # noqa: F401  (re-exported: the sampler's names)
 
 log = logging.getLogger(__name__)
 

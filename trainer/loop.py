@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from trainer.build import Amp
 from trainer.comm import HookState, maybe_step
 from trainer.device_augment import DeviceAugment
 from trainer.prefetch import Prefetcher
 from trainer.schedule import LRSchedule
-from trainer.setup import Amp
 
 LOSS_EVERY = 10
 

@@ -8,7 +8,7 @@ checks them against the config (:func:`trainer.checkpoint.check_resumable`) BEFO
 applied. Each of these steps ends with every rank agreeing on the outcome (:func:`_agree`), so a
 problem on one rank is one error line on all of them, never a hang in the next collective.
 Then, for a resume: model weights -> DDP + hooks -> comm residuals -> optimizer and GradScaler
-state -> the DDP layout warm-up (:func:`trainer.setup.layout_warmup`) -> the remaining batches
+state -> the DDP layout warm-up (:func:`trainer.build.layout_warmup`) -> the remaining batches
 of the saved epoch, from the saved step.
 """
 
@@ -30,14 +30,14 @@ from client.dataset import CachedImageNet
 from client.stats import PLACEMENT
 from datacache.config import ConfigError
 from trainer import checkpoint, locality
-from trainer.config import TrainConfig
+from trainer.build import channels_last, layout_warmup, make_amp, make_ddp, make_model, make_optimizer
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
 from trainer.loop import EpochStats, StepContext, train_epoch, validate
 from trainer.metrics import MetricsLog, epoch_line
 from trainer.rundir import RunLock, check_fresh_start
-from trainer.setup import channels_last, layout_warmup, make_amp, make_ddp, make_model, make_optimizer
+from trainer.train_config import TrainConfig
 
 log = logging.getLogger(__name__)
 

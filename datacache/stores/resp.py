@@ -9,7 +9,7 @@ value (a numpy view, a tensor) refers to it.
 
 Buffers are recycled (:class:`ArenaPool`): a fresh multi-MB ``bytearray`` per round trip costs page
 faults -- glibc returns large freed blocks to the kernel, so every batch faulted its memory in again
--- which halved the read rate (1.0 vs 2.0 GB/s for 77 KB values on one connection, measured). A
+-- which halved the read rate (measured: bench/results/NOTES.md#resp-arena). A
 buffer is reused only when no view of it is alive any more: CPython refuses to resize a
 ``bytearray`` while a buffer export (a memoryview, a numpy array made from one) exists, and that
 refusal is the liveness test.

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CommConfig": "trainer.comm.config",
+    "CommConfig": "trainer.comm.comm_config",
     "HookState": "trainer.comm.state",
     "MethodSchedule": "trainer.comm.switch",
     "register": "trainer.comm.hooks",

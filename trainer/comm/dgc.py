@@ -11,7 +11,7 @@
    the whole vector.
 
 Because step 3 takes the exact top-k of a superset of the true top-k, the result equals the
-exact top-k whenever it returns (ties aside). NaN/inf follow ``selection.py``'s policy (keys).
+exact top-k whenever it returns (ties aside). NaN/inf follow ``topk_keys.py``'s policy (keys).
 HOST SYNCS: every adjustment reads a data-dependent count (``nonzero``), so on CUDA DGC syncs
 once or more per call. It is the comparison baseline; the sync-free choices are ``mstopk`` and
 ``exact``.
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from trainer.comm.exact_topk import exact_topk
-from trainer.comm.selection import check_input, compact_at_least, strided_sample_keys, take
+from trainer.comm.topk_keys import check_input, compact_at_least, strided_sample_keys, take
 
 
 def dgc_topk(x: Tensor, k: int, *, sample_ratio: float = 0.01, max_adjust: int = 4) -> tuple[Tensor, Tensor]:

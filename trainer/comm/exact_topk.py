@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.comm.selection import WORKSPACE_MIN_NUMEL, check_input, host_reads_free, take
+from trainer.comm.topk_keys import WORKSPACE_MIN_NUMEL, check_input, host_reads_free, take
 from trainer.comm.workspace import WORKSPACE
 
 
@@ -13,7 +13,7 @@ def exact_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Exactly ``min(k, numel)`` entries with the largest ``|x|``: (values ``x[idx]``, int32 idx).
 
     Ties at the k-th magnitude are broken by ``torch.topk`` (unspecified order); NaN/inf rank
-    above every finite value (``torch.topk``'s order, the policy of ``selection.py``). Indices are
+    above every finite value (``torch.topk``'s order, the policy of ``topk_keys.py``). Indices are
     unique, in no particular order. No host sync (``torch.topk`` has a static output size).
     """
     k = check_input(x, k, "exact_topk")
@@ -21,7 +21,7 @@ def exact_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         idx = torch.arange(k, device=x.device)
         return take(x, idx), idx.to(torch.int32)
     if host_reads_free(x) and x.numel() >= WORKSPACE_MIN_NUMEL:
-        # CPU: reuse the |x| buffer (a fresh 25M buffer costs ~50 ms of page faults).
+        # CPU: reuse the |x| buffer (fresh large buffers cost page faults; bench/results/NOTES.md).
         a = torch.abs(x, out=WORKSPACE.get("exact_abs", x.numel(), x.dtype, x.device))
     else:
         # CUDA: the caching allocator has no page-fault cost, and a fresh buffer cannot be

@@ -58,7 +58,7 @@ from trainer.comm.collectives import (
     reduce_scatter_sum,
 )
 from trainer.comm.names import FINAL_GATHER_CHOICES, check_choice
-from trainer.comm.sparse_common import (
+from trainer.comm.sparse_ops import (
     add_rows_,
     choose_k,
     compensate,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainer.comm.allreduce import allreduce_dense
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.fp16 import checks_finite, wire_fp16
 from trainer.comm.hitopk import hitopk_ex
 from trainer.comm.naive_ag import naive_ag_ex

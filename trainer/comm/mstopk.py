@@ -3,20 +3,20 @@
 Algorithm 1 bisects a threshold on the VALUE range ``[mean |x|, max |x|]``: after ``N`` probes it
 resolves steps of ``(max - mean) / 2**N``, so one outlier 1e9x the rest leaves every other
 element in one step and the pick among them is random (recall 0.45 at d = 100k, k = 100).
-Here the bisection runs on the order-preserving integer keys of ``|x|`` (``selection.py``): a
+Here the bisection runs on the order-preserving integer keys of ``|x|`` (``topk_keys.py``): a
 fixed number of counting passes (31 for fp32, 15 for fp16/bf16, 63 for fp64) finds ``T``, the
 k-th largest key, exactly, for every input. The pick is every entry above ``T`` plus, among the
 entries equal to ``T``, the lowest indices: exactly ``k``, deterministic. (Algorithm 1 takes a
 random window among the elements between its two thresholds; an exact search leaves only true
 ties there, and a fixed rule keeps every run's and every replica's choice reproducible.)
-Non-finite values follow the selection policy of ``selection.py``: they rank above every finite
+Non-finite values follow the selection policy of ``topk_keys.py``: they rank above every finite
 magnitude (as in ``torch.topk``), are always selected, and never raise.
 
 Two paths, one result (the same indices, tested):
 
 * **device** (CUDA, any non-CPU device; ``path="device"`` forces it on the CPU): keys of the
-  whole vector, :func:`~trainer.comm.selection.kth_largest_key` over all key bits, then
-  :func:`~trainer.comm.selection.select_exactly_k`. No host sync and no data-dependent shape:
+  whole vector, :func:`~trainer.comm.topk_keys.kth_largest_key` over all key bits, then
+  :func:`~trainer.comm.topk_keys.select_exactly_k`. No host sync and no data-dependent shape:
   it runs unchanged on the ``meta`` device and under ``torch.cuda.set_sync_debug_mode("error")``.
 * **compact** (CPU, ``COMPACT_MIN_NUMEL`` elements or more, ``k <= COMPACT_MAX_DENSITY * n``):
   a strided sample of ``m`` keys brackets ``T`` from below: ``t_lo`` is the sample's
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trainer.comm.selection import (
+from trainer.comm.topk_keys import (
     check_input,
     compact_at_least,
     host_reads_free,

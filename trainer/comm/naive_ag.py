@@ -3,7 +3,7 @@
 Every rank selects the top-k (k = round(density * d)) of its gradient (+ error-feedback
 residual), all ranks all-gather the ``(values, int32 indices)`` in one packed call, and every
 rank adds the ``world_size`` rows of ``k`` entries into a zero vector, row by row in rank order
-(``sparse_common.add_rows_``: deterministic, so every replica gets the same bits). The
+(``sparse_ops.add_rows_``: deterministic, so every replica gets the same bits). The
 all-gather crosses the slow inter-node links with ``(world-1) * k`` entries per rank, which is
 why HiTopKComm exists; this is the baseline of Shi et al. Fig. 7.
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.comm.collectives import all_gather_packed
-from trainer.comm.sparse_common import (
+from trainer.comm.sparse_ops import (
     add_rows_,
     choose_k,
     compensate,

@@ -9,7 +9,7 @@ from __future__ import annotations
 METHOD_CHOICES: tuple[str, ...] = ("allreduce", "torus", "naive_ag", "hitopk")
 SPARSE_METHODS: tuple[str, ...] = ("naive_ag", "hitopk")  # top-k + error feedback
 
-# Top-k selectors (trainer/comm/selectors.py maps each name to its function).
+# Top-k selectors (trainer/comm/selector_registry.py maps each name to its function).
 SELECTOR_CHOICES: tuple[str, ...] = ("mstopk", "exact", "dgc")
 
 # HiTopK's last intra-node step: the two forms, and the config value that picks one per call.

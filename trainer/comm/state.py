@@ -1,6 +1,6 @@
 """``HookState``: the run state of the DDP comm hooks (one per DDP model).
 
-Holds the :class:`~trainer.comm.config.CommConfig`, the topology (process groups), the
+Holds the :class:`~trainer.comm.comm_config.CommConfig`, the topology (process groups), the
 error-feedback residuals, the host-side counters (step, epoch, skipped steps, method switches)
 and the current step's verdict flags. Config is frozen; everything here changes as training runs.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer.comm.config import CommConfig
+from trainer.comm.comm_config import CommConfig
 from trainer.comm.error_feedback import ErrorFeedback, bucket_key
 from trainer.comm.timing import PhaseTimer
 from trainer.comm.topology import Topology

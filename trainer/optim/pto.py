@@ -13,8 +13,8 @@ Collective choice (``collective=``):
 * ``"all_gather"`` (default): each rank contributes a vector padded to the largest shard
   (max #layers per rank, ~161/P floats) and one ``all_gather_single`` assembles them; a
   precomputed index vector puts the scalars back in layer order. Gloo's all-gather is a
-  ring of P-1 rounds; measured on this machine (loopback, 161 floats) it is cheaper than
-  the alternative: ~0.35 vs ~0.45 ms with 2 ranks, ~4.2 vs ~6.2 ms with 4 (oversubscribed).
+  ring of P-1 rounds; measured on loopback it is cheaper than the alternative
+  (bench/results/NOTES.md#pto-gather).
 * ``"all_reduce"``: a zero-filled vector of all layers, each rank writes its entries, one
   SUM all-reduce (x + 0 + ... + 0 is exact). Gloo's all-reduce is reduce-scatter +
   all-gather, i.e. about twice the rounds of the all-gather, which is why it is not the

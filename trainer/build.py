@@ -1,4 +1,4 @@
-"""Building a run's pieces from a :class:`~trainer.config.TrainConfig`: model, optimizer, DDP with
+"""Building a run's pieces from a :class:`~trainer.train_config.TrainConfig`: model, optimizer, DDP with
 the comm hooks, AMP, and the DDP layout warm-up a resumed run needs.
 """
 
@@ -14,9 +14,9 @@ from torch import nn
 
 from datacache.config import ConfigError
 from trainer.comm import CommConfig, HookState, MethodSchedule, wrap
-from trainer.config import TrainConfig
 from trainer.models import build_model
 from trainer.optim import LAMB, LARS
+from trainer.train_config import TrainConfig
 
 
 def make_model(cfg: TrainConfig, num_classes: int, device: torch.device) -> nn.Module:

@@ -58,7 +58,7 @@ def check_input(x: Tensor, k: int, name: str) -> int:
 
 
 def take(t: Tensor, idx: Tensor) -> Tensor:
-    """``t[idx]`` for 1-D ``t``: ``index_select`` is 4-5x faster than advanced indexing on the CPU."""
+    """``t[idx]`` for 1-D ``t``: ``index_select``, measured faster than advanced indexing on the CPU."""
     return torch.index_select(t, 0, idx)
 
 
@@ -143,8 +143,8 @@ def sparse_nonzero(padded: Tensor) -> Tensor:
     """``nonzero`` of a sparse bool mask whose length is a multiple of 8 (int64, ascending). CPU.
 
     Reads the mask as 64-bit words, finds the non-zero words, then the set bytes inside them:
-    the full-length scan handles 8x fewer elements than ``torch.nonzero`` (3-8x faster at 25M
-    with 0.1-1 % set, measured here). HOST SYNC on CUDA (data-dependent size, twice).
+    the full-length scan handles 8x fewer elements than ``torch.nonzero`` (measured faster on
+    sparse masks: bench/results/NOTES.md#topk-cpu). HOST SYNC on CUDA (data-dependent size, twice).
     """
     words = padded.view(torch.int64)
     wnz = torch.nonzero(words).squeeze(1)
@@ -156,7 +156,8 @@ def compact_at_least(x: Tensor, thres: int) -> tuple[Tensor, Tensor]:
     """Ascending indices (int64) and keys of the entries whose key is ``>= thres``.
 
     One pass writes the keys and one the mask, both into reused workspace buffers for large
-    ``x`` (fresh 25M buffers cost ~50 ms of page faults here), then :func:`sparse_nonzero`.
+    ``x`` (fresh large buffers cost page faults: bench/results/NOTES.md#topk-cpu), then
+    :func:`sparse_nonzero`.
     Data-dependent size: free on a CPU, a HOST SYNC on CUDA (never on MSTopK's device path).
     """
     n = x.numel()

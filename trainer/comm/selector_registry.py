@@ -2,7 +2,7 @@
 
 Every selector has the signature ``(x: 1-D float Tensor, k: int) -> (values, indices)`` and
 returns exactly ``min(max(k, 0), numel)`` entries: ``values == x[indices]`` (signed, x.dtype),
-``indices`` int32 and unique. NaN/inf rank above every finite magnitude (``selection.py``).
+``indices`` int32 and unique. NaN/inf rank above every finite magnitude (``topk_keys.py``).
 
 - ``mstopk``: exact, fixed-pass threshold search on magnitude keys (trainer/comm/mstopk.py);
   ties at the threshold go to the lowest indices; no host sync on CUDA.

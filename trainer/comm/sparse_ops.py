@@ -2,7 +2,7 @@
 wire cast with its overflow flag, deterministic decompression, residuals.
 
 Host/device syncs: none here. Flags stay device tensors; on a CPU (where reading a tensor is
-free, ``selection.host_reads_free``) a few helpers branch in Python to skip whole passes, and on
+free, ``topk_keys.host_reads_free``) a few helpers branch in Python to skip whole passes, and on
 CUDA they use device-side masks instead.
 """
 
@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from trainer.comm.fp16 import checks_finite
-from trainer.comm.selection import host_reads_free
-from trainer.comm.selectors import get_selector
+from trainer.comm.selector_registry import get_selector
+from trainer.comm.topk_keys import host_reads_free
 
 
 def choose_k(density: float, numel: int) -> int:
@@ -57,7 +57,7 @@ def wire_and_flag(values: Tensor, fp16: bool, check: bool) -> tuple[Tensor, Tens
     (None when nothing is checked: ``check`` off and fp32).
 
     The flag only needs the k SENT values, never a pass over the whole vector: every selector
-    ranks NaN/inf above all finite magnitudes (``selection.py``), so a non-finite entry anywhere
+    ranks NaN/inf above all finite magnitudes (``topk_keys.py``), so a non-finite entry anywhere
     in the compensated vector is among the selected ones. With ``fp16`` the same check, made
     AFTER the cast, catches a value above 65504 that became inf: an overflow is flagged exactly
     like a NaN, so the step is skipped on every rank instead of sending an unflagged inf.
