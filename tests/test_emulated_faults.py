@@ -266,7 +266,7 @@ def test_c_link_cut_under_torchrun_training_completes(emu: EmuCluster, tmp_path)
     c = emu
     out = str(tmp_path / "run")
     args = ["-m", "trainer", "--recipe", "digits", "--data", _root(c), "--cache", _url(c), "--device", "cpu",
-            "--threads", "1", "--epochs", "2", "--batch-size", "12", "--comm", "dense", "--out", out,
+            "--threads", "1", "--epochs", "2", "--batch-size", "12", "--comm", "allreduce", "--out", out,
             "--no-progress"]
     agents = [c.run_on(i, c.torchrun_argv(i, args, rdzv_port=29431), stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, env={"OMP_NUM_THREADS": "1"}) for i in range(3)]
@@ -275,12 +275,13 @@ def test_c_link_cut_under_torchrun_training_completes(emu: EmuCluster, tmp_path)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not os.path.exists(metrics):
-            assert all(a.poll() is None for a in agents), "an agent exited before training started"
+            if any(a.poll() is not None for a in agents):
+                break  # an agent exited before training started: its log is shown below
             time.sleep(0.1)
-        assert os.path.exists(metrics), "training did not start within 120 s"
-        c.link_down(2)
-        time.sleep(CUT_S)
-        cut_while_running = all(a.poll() is None for a in agents)
+        if os.path.exists(metrics) and all(a.poll() is None for a in agents):
+            c.link_down(2)
+            time.sleep(CUT_S)
+            cut_while_running = all(a.poll() is None for a in agents)
     finally:
         c.link_up(2)
     logs = []
