@@ -504,6 +504,72 @@ class EmuCluster:
                        f"daemon on node {i} did not become healthy",
                        os.path.join(self.dir, f"node{i}", "daemon.log"), node=i)
 
+    # ------------------------------------------------------------------ faults (tests, benches)
+    def _service_pid(self, node: int, which: int) -> int:
+        if not 0 <= node < len(self.addrs):
+            raise EmuError(f"node must be 0..{len(self.addrs) - 1}, got {node}")
+        return int(self.state["pids"][str(node)][which])
+
+    def _kill(self, node: int, which: int, sig: int) -> None:
+        pid = self._service_pid(node, which)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        for p in self._procs:  # our child (library use): reap it so the pid is really gone
+            if p.pid == pid:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(15)
+        # forget it: _wait() gives up early when one of self._procs has exited
+        self._procs = [p for p in self._procs if p.pid != pid]
+
+    def _respawn(self, node: int, which: int, argv: Sequence[str], log: str,
+                 env: Mapping[str, str] | None = None) -> int:
+        pid = self._spawn(node, argv, log, env)
+        pids = self.state["pids"][str(node)]
+        pids[which] = pids.pop()  # _spawn appended the new pid: it replaces the dead one in its slot
+        self._save()
+        return pid
+
+    def kill_master(self, node: int, sig: int = signal.SIGKILL) -> None:
+        """Kill ``node``'s redis-server (SIGKILL by default: a crash, nothing flushed)."""
+        self._kill(node, 0, sig)
+
+    def restart_master(self, node: int) -> int:
+        """Start ``node``'s redis-server again from its config. Its ``nodes-PORT.conf`` is kept, so it
+        rejoins the cluster with its id and slots, empty (the template persists nothing). Waits until the
+        node answers PING and reports ``cluster_state:ok``; returns the new pid."""
+        wd = os.path.join(self.dir, f"node{node}")
+        pid = self._respawn(node, 0, ["redis-server", os.path.join(wd, "redis.conf")],
+                            os.path.join(wd, "redis.log"))
+        self._wait(lambda: "cluster_state:ok" in self.redis_cli(node, "cluster", "info").stdout,
+                   f"restarted redis on node {node} did not report cluster_state:ok",
+                   os.path.join(wd, "redis.log"), node=node)
+        return pid
+
+    def kill_daemon(self, node: int, sig: int = signal.SIGKILL) -> None:
+        """Kill ``node``'s datacache-daemon (SIGKILL by default: no shutdown path runs)."""
+        self._kill(node, 1, sig)
+
+    def restart_daemon(self, node: int) -> int:
+        """Start ``node``'s daemon again with its config; waits for ``/health``; returns the new pid."""
+        wd = os.path.join(self.dir, f"node{node}")
+        pid = self._respawn(node, 1, [sys.executable, "-m", "cache_daemon", "--config",
+                                      os.path.join(wd, "daemon.toml"), "--no-progress"],
+                            os.path.join(wd, "daemon.log"), env=self._daemon_env())
+        self._wait(lambda: self.daemon_health(node) is True, f"restarted daemon on node {node} did not "
+                   "become healthy", os.path.join(wd, "daemon.log"), node=node)
+        return pid
+
+    def link_down(self, node: int) -> None:
+        """Cut ``node``'s link (its veth, node side, set down): the node reaches nobody and nobody reaches
+        it. Its processes keep running; 127.0.0.1 in it (its daemon's HTTP) keeps answering."""
+        self._service_pid(node, 0)  # checks the node number
+        _run(["ip", "-n", self.ns(node), "link", "set", self.ifname(node), "down"])
+
+    def link_up(self, node: int) -> None:
+        """Restore ``node``'s link (the address and tbf qdisc stay configured while it is down)."""
+        self._service_pid(node, 0)
+        _run(["ip", "-n", self.ns(node), "link", "set", self.ifname(node), "up"])
+
     # ------------------------------------------------------------------ queries
     def daemon_get(self, node: int, path: str, timeout: float = 5.0) -> tuple[int, Any]:
         """GET the daemon's ``path`` from inside node's namespace (its HTTP is on that loopback)."""
