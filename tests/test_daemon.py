@@ -125,7 +125,9 @@ def test_three_daemons_ingest_every_sample_exactly_once(cluster_url: str, redis_
 def test_sigkill_mid_ingest_then_restart_finishes_without_duplicates(redis_url: str, redis_server,
                                                                       imagefolder_factory, tmp_path) -> None:
     root = imagefolder_factory(classes=2, per_class=20, size=(80, 60))
-    slow = f"slowfile://{root}?latency_ms=60"  # the NFS stand-in: 60 ms per file read
+    # the NFS stand-in: 20 ms a request and 50 KB/s, so the ~100 KB of files arrive over ~2 s and the chunks
+    # are written one after another (latency alone is overlapped by concurrent reads: all 40 in one go)
+    slow = f"slowfile://{root}?latency_ms=20&mbps=0.05"
     log = str(tmp_path / "d.log")
     args = ("--cache", redis_url, "--dataset", slow, "--short-side", str(SHORT), "--http-port", "0")
     p = start_daemon(*args, log=log)
