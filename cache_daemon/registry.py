@@ -46,12 +46,15 @@ def unregister(store: Any, ident: str) -> bool:
     return status_store(store).status_del(REGISTRY_KEY, ident) > 0
 
 
-def registered(store: Any, allowed_sources: tuple[str, ...]) -> list[DatasetSpec]:
-    """The valid entries under ``allowed_sources`` (an unreachable registry is an empty list: retried next
-    pass)."""
+def registered(store: Any, allowed_sources: tuple[str, ...], *, strict: bool = False) -> list[DatasetSpec]:
+    """The valid entries under ``allowed_sources``. An unreachable registry is an empty list (retried next
+    pass), or with ``strict`` raises: a caller that drops datasets missing from the list must not read
+    "unreachable" as "everything was deleted"."""
     try:
         raw = status_store(store).status_get(REGISTRY_KEY)
     except Exception as e:
+        if strict:
+            raise
         log.debug("dataset registry unreadable: %s", e)
         return []
     out = []

@@ -122,6 +122,20 @@ class Daemon:
             log.info("unregistered %s", ident)
         return removed
 
+    def _sync_registry(self) -> None:
+        """Pass thread: adopt the registry's datasets (those under this daemon's ``allowed_sources``) and
+        stop filling registered ones that were deleted (``DELETE /datasets/{id}`` on any daemon); the
+        config file's datasets always stay. An unreachable registry raises (the round is retried) instead
+        of reading as "every registration was deleted"."""
+        specs = registered(self.store, self.cfg.allowed_sources, strict=True)
+        keep = {d.ident() for d in self.cfg.datasets} | {s.ident() for s in specs}
+        with self.lock:
+            for spec in specs:
+                self.states.setdefault(spec.ident(), DatasetState(spec))
+            for ident in [i for i in self.states if i not in keep]:
+                log.info("dataset %s is no longer registered: not filled any more", ident)
+                del self.states[ident]
+
     # ------------------------------------------------------------ main loop
     def loop_status(self) -> dict[str, Any]:
         """Liveness of the pass loop and the decode pool (``/status`` and ``/health`` show it)."""
@@ -155,9 +169,7 @@ class Daemon:
         """The pass thread (see the module docstring); returns when stopped or, with ``once``, done."""
         while not self.stop.is_set():
             try:
-                for spec in registered(self.store, self.cfg.allowed_sources):
-                    with self.lock:
-                        self.states.setdefault(spec.ident(), DatasetState(spec))
+                self._sync_registry()
                 with self.lock:
                     states = list(self.states.values())
                 for state in states:

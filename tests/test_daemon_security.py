@@ -369,3 +369,37 @@ def test_warm_via_daemon_sends_the_token_from_a_file(daemon_factory, imagefolder
     assert datacache_main(["warm", root, "--via-daemon", base, "--short-side", "32",
                            "--api-token-file", str(tok)]) == 0
     assert len(_registry(d)) == 1
+
+
+@needs_redis
+def test_a_deleted_registration_stops_on_every_daemon_and_an_unreachable_registry_drops_nothing(
+        redis_url: str, tmp_path, imagefolder_factory) -> None:
+    """DELETE on one daemon removes the Redis entry; every other daemon drops the dataset at its next
+    round. A registry that cannot be read is not "everything deleted": nothing is dropped then."""
+    from cache_daemon.registry import register, unregister
+    from cache_daemon.service import Daemon
+
+    root = imagefolder_factory(classes=2, per_class=2, size=(40, 30))
+    cfg = DaemonConfig(cache=redis_url, node="n1", allowed_sources=(str(os.path.dirname(root)),),
+                       http_port=0)
+    d = Daemon(cfg, progress=False)
+    try:
+        spec = DatasetSpec(source=root, short_side=16)
+        register(d.store, spec, max_registrations=4)  # as POST on another daemon would
+        d._sync_registry()
+        assert spec.ident() in d.states
+        real = d.store.status_get
+
+        def down(_name):
+            raise ConnectionError("registry unreachable")
+
+        d.store.status_get = down  # the registry's server is down for this round (a real store, one call)
+        with pytest.raises(ConnectionError):
+            d._sync_registry()
+        assert spec.ident() in d.states  # not dropped
+        d.store.status_get = real
+        assert unregister(d.store, spec.ident())  # DELETE on another daemon
+        d._sync_registry()
+        assert spec.ident() not in d.states
+    finally:
+        d.store.close()
