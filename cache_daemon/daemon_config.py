@@ -69,6 +69,10 @@ def normalize_source(url: str) -> tuple[str, str, str]:
         port = f":{u.port}" if u.port is not None else ""
     except ValueError as e:
         raise ConfigError(f"source {url!r} is not a valid URL ({e})") from None
+    if "%" in u.path or "\\" in u.path or ";" in u.path:
+        # a server may decode %2e%2e / %2f (or treat "\\" or ";" specially) after our check: refuse them
+        raise ConfigError(f"source {url!r}: percent-encoded characters, backslashes and ';' parameters are "
+                          "not allowed in a source URL's path (write the path plainly)")
     path = posixpath.normpath("/" + u.path.lstrip("/")) if u.path else "/"
     return u.scheme.lower(), host + port, path.replace("//", "/")
 

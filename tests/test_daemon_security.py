@@ -403,3 +403,12 @@ def test_a_deleted_registration_stops_on_every_daemon_and_an_unreachable_registr
         assert spec.ident() not in d.states
     finally:
         d.store.close()
+
+
+def test_encoded_traversal_in_a_url_source_is_refused() -> None:
+    """A server may decode ``%2e%2e`` or ``%2f`` after our prefix check: such paths never pass."""
+    allowed = ("http://127.0.0.1:8000/sets",)
+    assert source_allowed("http://127.0.0.1:8000/sets/train", allowed)
+    for evil in ("http://127.0.0.1:8000/sets/%2e%2e/secret", "http://127.0.0.1:8000/sets/%2E%2E%2Fsecret",
+                 "http://127.0.0.1:8000/sets/a\\..\\..\\secret", "http://127.0.0.1:8000/sets/a;/../../x"):
+        assert not source_allowed(evil, allowed), evil
