@@ -213,22 +213,25 @@ def rank_main(cfg_json: str) -> None:
     sampler = DistributedSampler(ds, num_replicas=cfg["world"], rank=cfg["rank"], shuffle=True, seed=0)
     # worker-process boundary: the manifest columns are in shared memory (CachedImageNet), each worker
     # opens its own store connections after fork
-    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=cfg["workers"],
+    loader = DataLoader(ds, batch_size=cfg["batch"], sampler=sampler, num_workers=cfg["workers"],
                         collate_fn=AugmentCollate(CROP), persistent_workers=True, worker_init_fn=worker_init,
-                        prefetch_factor=4)
+                        prefetch_factor=2)
     print(json.dumps({"open_s": open_s, "samples": len(ds), "manifest_bytes": ds.manifest.nbytes}),
           flush=True)
     nb = len(loader)
     for e in range(cfg["epochs"]):
         sampler.set_epoch(e)
+        # epoch barrier without a process group: say READY, start when the parent says GO (it does once
+        # every rank is ready), so the ranks' epochs overlap as in DDP and a fault lands in one epoch
+        print(f"READY {e}", flush=True)
+        if sys.stdin.readline().strip() != "GO":
+            raise SystemExit(f"rank {cfg['rank']}: parent went away before epoch {e}")
         ds.reset_stats()
-        marks = {int(nb * f): f for f in (0.1, 0.3, 0.5)}
         n, t = 0, time.perf_counter()
         for b, (images, labels) in enumerate(loader):
             assert images.dtype == torch.uint8
             n += int(labels.numel())
-            if b in marks:
-                print(f"PROGRESS {e} {marks[b]}", flush=True)
+            print(f"PROGRESS {e} {(b + 1) / nb:.4f}", flush=True)
         dt = time.perf_counter() - t
         it = getattr(loader, "_iterator", None)  # torch-internal: the persistent workers
         workers = [proc_memory(w.pid) for w in getattr(it, "_workers", [])]
@@ -240,23 +243,37 @@ def rank_main(cfg_json: str) -> None:
     ds.flush(60)
 
 
-def run_ranks(root: str, cache: str, epochs: int, *, world: int = 2, workers: int = 2,
+def run_ranks(root: str, cache: str, epochs: int, *, world: int = 2, workers: int = 2, batch: int = BATCH,
               on_progress: Any = None, timeout: float = 3600) -> list[dict[str, Any]]:
     """``world`` rank processes at once; returns per epoch {seconds (slowest rank), per-rank records}.
     ``on_progress(epoch, fraction)`` is called (from a reader thread) for rank 0's progress lines."""
     procs, outs = [], []
     for r in range(world):
         cfg = json.dumps({"root": root, "cache": cache, "epochs": epochs, "world": world, "rank": r,
-                          "workers": workers})
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK_CODE, cfg], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True,
+                          "workers": workers, "batch": batch})
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_CODE, cfg], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env={**os.environ, "PYTHONPATH": REPO}))
         outs.append([])
     errs: list[str] = ["" for _ in procs]
+    ready: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def go(e: int) -> None:  # called under ``lock`` by the reader that saw the last READY of epoch e
+        for p in procs:
+            with contextlib.suppress(OSError):
+                p.stdin.write("GO\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
 
     def reader(r: int) -> None:
         for line in procs[r].stdout:  # type: ignore[union-attr]
-            if line.startswith("PROGRESS"):
+            if line.startswith("READY"):
+                e = int(line.split()[1])
+                with lock:
+                    ready[e] = ready.get(e, 0) + 1
+                    if ready[e] == world:
+                        go(e)
+            elif line.startswith("PROGRESS"):
                 _, e, f = line.split()
                 if r == 0 and on_progress is not None:
                     on_progress(int(e), float(f))
@@ -338,7 +355,8 @@ def idle_pass_cpu(daemons: list[Daemon], timeout: float) -> dict[str, Any]:
             "seconds": max(v["wall_s"] for v in out.values()), "status_polls": polls}
 
 
-def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float) -> dict[str, Any]:
+def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, batch: int = BATCH
+             ) -> dict[str, Any]:
     import redis
 
     from datacache.plan import plan
@@ -409,28 +427,32 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float) -> 
               f"(error {res['plan']['error']:.3f})")
 
         print(f"[{n:,}] epochs (2 ranks x 2 workers)")
-        epochs = run_ranks(root, cluster.url, 2, timeout=timeout)
-        for i, e in enumerate(epochs):
+        # one pair of rank processes runs epochs 1 and 2 and, with ``kill``, a third epoch during which one
+        # master is SIGKILLed when rank 0 is 30 % through it (one interpreter start-up per size, not two)
+        killed = 2
+        victim = cluster.masters[killed]
+        before_keys = dbsize(victim.port)
+        when: dict[str, float] = {}
+
+        def on_progress(epoch: int, frac: float) -> None:
+            if kill and epoch == 2 and frac >= 0.3 and "t" not in when:
+                when["t"] = time.perf_counter()
+                victim.kill()  # SIGKILL: the node dies with its memory
+
+        if kill:
+            print(f"  (epoch 3: master {victim.addr} killed at 30 %)")
+        epochs = run_ranks(root, cluster.url, 3 if kill else 2, batch=batch, on_progress=on_progress,
+                           timeout=timeout)
+        for i, e in enumerate(epochs[:2]):
             res[f"epoch{i + 1}"] = e
             print(f"  epoch {i + 1}: {e['seconds']:.1f} s ({e['samples'] / e['seconds']:.0f} samples/s), "
-                  "worker "
-                  f"RSS max {e['worker_rss_max'] / 1e6:.0f} MB")
+                  f"worker RSS max {e['worker_rss_max'] / 1e6:.0f} MB")
         if kill:
-            killed = 2
-            victim = cluster.masters[killed]
-            before_keys = dbsize(victim.port)
-            when: dict[str, float] = {}
-
-            def on_progress(epoch: int, frac: float) -> None:
-                if frac == 0.3 and "t" not in when:
-                    when["t"] = time.perf_counter()
-                    victim.kill()  # SIGKILL: the node dies with its memory
-
-            print(f"[{n:,}] epoch with master {victim.addr} killed at 30 %")
-            (ke,) = run_ranks(root, cluster.url, 1, on_progress=on_progress, timeout=timeout)
+            ke = epochs[2]
             ke["master_killed"] = "t" in when
+            ke["master"] = victim.addr
             res["kill_epoch"] = ke
-            print(f"  completed: {ke['samples']} samples in {ke['seconds']:.1f} s, master killed: "
+            print(f"  epoch 3 completed: {ke['samples']} samples in {ke['seconds']:.1f} s, master killed: "
                   f"{ke['master_killed']}, decoded {sum(r['decoded'] for r in ke['ranks'])}")
             print(f"[{n:,}] restart the master empty and refill it")
             cluster.restart_empty(killed)
@@ -565,6 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--classes", type=int, default=None, help="class folders (default 1000; quick 20)")
     ap.add_argument("--data-dir", default=None, help="where generated datasets live (default: user cache)")
     ap.add_argument("--out-dir", default=None, help=f"where the JSON/PNG go (default {RESULTS_DIR})")
+    ap.add_argument("--batch-size", type=int, default=None, help=f"per rank (default {BATCH}; quick 32)")
     ap.add_argument("--no-kill", action="store_true", help="skip the master-kill epoch and the refill")
     ap.add_argument("--ffcv-size", type=int, default=None,
                     help="size of the FFCV first-epoch comparison (default 128,117; quick: the largest; "
@@ -581,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
     classes = args.classes or (20 if args.quick else 1000)
+    batch = args.batch_size or (32 if args.quick else BATCH)
     ffcv_size = args.ffcv_size if args.ffcv_size is not None else (sizes[-1] if args.quick else FULL_SIZES[1])
     machine = print_machine(machine_info())
     workdir = tempfile.mkdtemp(prefix="datacache-bench-scale-")
@@ -598,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gen_s = time.perf_counter() - t
             sub = os.path.join(workdir, f"n{n}")
             os.makedirs(sub)
-            res = run_size(n, root, sub, kill=not args.no_kill, timeout=args.timeout)
+            res = run_size(n, root, sub, kill=not args.no_kill, timeout=args.timeout, batch=batch)
             res["generate_s_if_not_reused"] = gen_s
             if n == ffcv_size:
                 print(f"[{n:,}] FFCV vs ours, first epoch from slowfile://")
@@ -622,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.append(f"FFCV not measured: {ff[0]['reason']}")
     config = {"sizes": sizes, "classes": classes, "source_jpeg": "64x48 q85, 1 % corrupt",
               "short_side": SHORT,
-              "crop": CROP, "batch_size": BATCH, "ranks": 2, "workers_per_rank": 2, "masters": 3,
+              "crop": CROP, "batch_size": batch, "ranks": 2, "workers_per_rank": 2, "masters": 3,
               "daemon_workers": 1, "quick": args.quick, "kill_epoch": not args.no_kill,
               "ffcv_size": ffcv_size}
     name = "scale_quick" if args.quick else "scale"

@@ -126,6 +126,7 @@ def ensure_scale_dataset(n: int, base_dir: str | None = None, *, classes: int = 
                          progress: bool = True) -> str:
     """The root of the ``n``-file tree, generated once (see the module docstring); safe to call from
     several processes at once."""
+    per_class_counts(n, classes)  # bad sizes: a ValueError before anything is created
     root = dataset_root(n, base_dir, classes, corrupt_every)
     marker = root + ".complete"
     if os.path.exists(marker):
