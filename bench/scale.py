@@ -490,7 +490,7 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, bat
 
 
 # ------------------------------------------------------------------ FFCV side by side (first epoch)
-def ffcv_first_epoch(root: str, workdir: str, n_limit: int, latency_ms: float, mbps: float) -> dict[str, Any]:
+def ffcv_first_epoch(root: str, workdir: str, latency_ms: float, mbps: float) -> dict[str, Any]:
     """From ``slowfile://`` to the end of the first epoch: FFCV (``DatasetWriter`` + JIT-compiling first
     epoch) vs ours (cold ``CachedImageNet`` epoch, no conversion). Skipped with the reason when FFCV is
     not installed (``python -m bench.loader --install-peers`` installs it)."""
@@ -592,6 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ffcv-size", type=int, default=None,
                     help="size of the FFCV first-epoch comparison (default 128,117; quick: the largest; "
                          "0 = off)")
+    ap.add_argument("--name", default=None, help="result file name (default scale, quick: scale_quick)")
     ap.add_argument("--timeout", type=float, default=3600, help="per-phase limit in seconds")
     args = ap.parse_args(argv)
     if args.sizes:
@@ -603,6 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--sizes needs at least two positive sizes to compare, got {args.sizes!r}")
     else:
         sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
+    name = args.name or ("scale_quick" if args.quick else "scale")
+    if not name.replace("_", "").replace("-", "").isalnum():
+        ap.error(f"--name must be letters, digits, '_' or '-', got {name!r}")
     classes = args.classes or (20 if args.quick else 1000)
     batch = args.batch_size or (32 if args.quick else BATCH)
     ffcv_size = args.ffcv_size if args.ffcv_size is not None else (sizes[-1] if args.quick else FULL_SIZES[1])
@@ -626,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             res["generate_s_if_not_reused"] = gen_s
             if n == ffcv_size:
                 print(f"[{n:,}] FFCV vs ours, first epoch from slowfile://")
-                res["ffcv_first_epoch"] = ffcv_first_epoch(root, sub, n, latency_ms=2, mbps=200)
+                res["ffcv_first_epoch"] = ffcv_first_epoch(root, sub, latency_ms=2, mbps=200)
                 shown = {k: v for k, v in res["ffcv_first_epoch"].items() if k != "source"}
                 print(f"  {json.dumps(shown)[:400]}")
             results["sizes"].append(res)
@@ -649,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "crop": CROP, "batch_size": batch, "ranks": 2, "workers_per_rank": 2, "masters": 3,
               "daemon_workers": 1, "quick": args.quick, "kill_epoch": not args.no_kill,
               "ffcv_size": ffcv_size}
-    name = "scale_quick" if args.quick else "scale"
+
     out_dir = args.out_dir or str(RESULTS_DIR)
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # written, then moved: never half-written
