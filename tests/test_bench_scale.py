@@ -163,3 +163,38 @@ def test_bad_sizes_are_one_line_errors() -> None:
                          text=True, env=ENV, timeout=60)
     assert res.returncode == 2 and "--sizes must be comma-separated integers" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------------------ the FFCV peer (bench.loader)
+def test_ffcv_missing_is_skipped_with_the_reason() -> None:
+    # sys.modules['ffcv'] = None: "import ffcv" raises ImportError, as on a machine without it
+    code = ("import sys; sys.modules['ffcv'] = None\n"
+            "from bench.loader import ffcv_available; print(ffcv_available())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "ffcv is not importable" in res.stdout and "--install-peers" in res.stdout
+
+
+def test_pil_files_reads_through_fsspec_and_blanks_undecodable(tmp_path) -> None:
+    from bench.loader import PILFiles
+
+    root = scale_data.ensure_scale_dataset(200, str(tmp_path), classes=4, progress=False)
+    files = PILFiles(f"slowfile://{root}?latency_ms=0&mbps=0")
+    assert len(files) == 200
+    images = [files[i] for i in range(len(files))]
+    assert files.bad == 2  # indices 37 and 137: garbage files become black fallback images
+    assert all(img.size == scale_data.SIZE and img.mode == "RGB" for img, _ in images)
+    assert sum(1 for img, _ in images if img.getbbox() is None) == 2
+    assert [lab for _, lab in images] == [int(t) for t in files.labels]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("ffcv") is None, reason="ffcv not installed")
+def test_ffcv_and_ours_first_epoch_from_slowfile(tmp_path) -> None:
+    from bench.loader import ffcv_first_epoch_from_slowfile, ours_first_epoch_from_slowfile
+
+    root = scale_data.ensure_scale_dataset(300, str(tmp_path), classes=3, progress=False)
+    src = f"slowfile://{root}?latency_ms=0&mbps=0"
+    ours = ours_first_epoch_from_slowfile(src, str(tmp_path / "lmdb"), 32, 64)
+    assert ours["samples"] == 300 and ours["decoded"] == 297 and ours["quarantined"] == 3
+    theirs = ffcv_first_epoch_from_slowfile(src, str(tmp_path / "x.beton"), 32, 64)
+    assert theirs["samples"] == 300 and theirs["beton_bytes"] > 0 and theirs["convert_s"] > 0
