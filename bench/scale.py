@@ -386,9 +386,10 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, bat
                        "quarantined": sum(s.get("quarantined_count", 0) for s in dsts),
                        "owned": [s.get("owned", 0) for s in dsts],
                        "daemon_mem": {d.name: tree_memory(d.proc.pid) for d in daemons}}
-        res["fill"]["daemon_rss_max"] = max(m["main_rss"] for m in res["fill"]["daemon_mem"].values())
+        # peak resident memory (VmHWM) of each daemon's main process since it started: the fill pass included
+        res["fill"]["daemon_rss_max"] = max(m["main_peak"] for m in res["fill"]["daemon_mem"].values())
         print(f"  {fill_s:.1f} s ({n / fill_s:.0f} files/s), quarantined {res['fill']['quarantined']}, "
-              f"daemon RSS max {res['fill']['daemon_rss_max'] / 1e6:.0f} MB")
+              f"daemon peak RSS max {res['fill']['daemon_rss_max'] / 1e6:.0f} MB")
         used = sum(used_memory(m.port) for m in cluster.masters) - base_used
         keys = sum(dbsize(m.port) for m in cluster.masters)
         res["redis"] = {"used_memory_growth": used, "keys": keys}
