@@ -431,7 +431,7 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, bat
 
         print(f"[{n:,}] idle pass")
         try:
-            res["idle_pass"] = idle_pass_cpu(daemons, timeout)
+            res["idle_pass"] = idle_pass_cpu(daemons, min(timeout, 300.0))  # a hung pass: give up sooner
             res["idle_pass"]["daemon_mem_after"] = {d.name: tree_memory(d.proc.pid) for d in daemons}
             print(f"  CPU {res['idle_pass']['cpu_s_max']:.2f} s (max of 3 daemons), wall "
                   f"{res['idle_pass']['seconds']:.1f} s")
@@ -620,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="size of the FFCV first-epoch comparison (default 128,117; quick: the largest; "
                          "0 = off)")
     ap.add_argument("--name", default=None, help="result file name (default scale, quick: scale_quick)")
+    ap.add_argument("--install-peers", action="store_true", help="install FFCV when missing (else skipped)")
     ap.add_argument("--timeout", type=float, default=3600, help="per-phase limit in seconds")
     args = ap.parse_args(argv)
     if args.sizes:
@@ -638,6 +639,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     batch = args.batch_size or (32 if args.quick else BATCH)
     ffcv_size = args.ffcv_size if args.ffcv_size is not None else (sizes[-1] if args.quick else FULL_SIZES[1])
     machine = print_machine(machine_info())
+    if args.install_peers and ffcv_size:
+        from bench.loader import install_peers
+
+        why = install_peers()
+        if why:
+            print(f"FFCV not installed: {why}")
     workdir = tempfile.mkdtemp(prefix="datacache-bench-scale-")
     results: dict[str, Any] = {"sizes": []}
     notes = [f"{os.cpu_count()} cores shared by 3 redis-servers, 3 daemons, 2 ranks x 2 loader workers and "
