@@ -120,3 +120,54 @@ def bar_chart(
         for b, v in zip(bars, values):
             ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
     return save_figure(fig, path)
+
+
+# ------------------------------------------------------------------ /proc readers (no psutil needed)
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int, *, reaped_children: bool = True) -> float:
+    """user + system CPU seconds of process ``pid`` from ``/proc/<pid>/stat`` (0.0 when it is gone);
+    with ``reaped_children`` also the CPU of its children that exited and were waited for (cutime,
+    cstime: e.g. a process pool started and joined during a pass)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    if reaped_children:
+        ticks += int(fields[13]) + int(fields[14])  # cutime, cstime
+    return ticks / _CLK_TCK
+
+
+def proc_memory(pid: int) -> dict[str, int]:
+    """Resident memory of ``pid`` in bytes from ``/proc/<pid>/status``: ``rss`` (VmRSS), ``peak``
+    (VmHWM), ``anon`` (RssAnon), ``file`` (RssFile), ``shmem`` (RssShmem); {} when it is gone."""
+    names = {"VmRSS": "rss", "VmHWM": "peak", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in names:
+                    out[names[key]] = int(rest.split()[0]) * 1024  # kB
+    except OSError:
+        return {}
+    return out
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live direct children of ``pid`` (from ``/proc/<pid>/task/*/children``)."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                kids.extend(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    return kids

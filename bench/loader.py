@@ -38,8 +38,11 @@ Run ``python -m bench.loader`` (full) or ``--quick``.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -248,13 +251,171 @@ def run_dali(root: str, batch: int, epochs: int) -> dict[str, Any]:
     return {"available": True, "samples_per_s": max(rates)}
 
 
+# ------------------------------------------------------------------ FFCV, the peer a user would pick instead
+FFCV_APT = ("libturbojpeg0-dev", "libopencv-dev", "pkg-config")
+
+
+def ffcv_available() -> str | None:
+    """Why FFCV cannot be measured here, or None when ``import ffcv`` works."""
+    try:
+        import ffcv  # type: ignore[import-not-found]  # noqa: F401
+    except Exception as e:  # ImportError, or a broken native build (OSError, numba errors)
+        return (f"ffcv is not importable ({type(e).__name__}: {e}); run with --install-peers, or: apt-get "
+                f"install -y {' '.join(FFCV_APT)} && {sys.executable} -m pip install ffcv")
+    return None
+
+
+def install_peers() -> str | None:
+    """Install FFCV (its native build needs the apt packages ``FFCV_APT``) into this interpreter's
+    environment; returns None on success, else the reason (one line)."""
+    if ffcv_available() is None:
+        return None
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        print(f"installing {' '.join(FFCV_APT)} (apt-get)")
+        got = subprocess.run(["apt-get", "install", "-y", *FFCV_APT], capture_output=True, text=True)
+        if got.returncode != 0:
+            return f"apt-get install {' '.join(FFCV_APT)} failed: {got.stderr.strip().splitlines()[-1:]}"
+    print("installing ffcv (pip; it compiles, ~2 min)")
+    got = subprocess.run([sys.executable, "-m", "pip", "install", "ffcv"], capture_output=True, text=True)
+    if got.returncode != 0:
+        return f"pip install ffcv failed: {got.stderr.strip().splitlines()[-1:]}"
+    return ffcv_available()
+
+
+class PILFiles:
+    """An indexable of ``(PIL RGB image, label)`` for FFCV's ``DatasetWriter``, reading through fsspec (a
+    local path or ``slowfile://``). An undecodable file becomes a black image of ``fallback`` size (FFCV
+    has no skip: its user must put something there); ``bad`` counts them in the process that read them.
+
+    Pickled into DatasetWriter's worker processes: the fsspec filesystem is opened lazily per process."""
+
+    def __init__(self, source: str, fallback: tuple[int, int] = (64, 48)) -> None:
+        man = Manifest.build(source)
+        self.root, self.paths, self.labels = man.root, list(man.paths), [int(t) for t in man.targets]
+        self.fallback = fallback
+        self._fs: Any = None
+        self.bad = 0
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[Image.Image, int]:
+        import fsspec
+
+        if self._fs is None:  # per process: never reuse a parent's open filesystem after fork
+            self._fs, self._base = fsspec.core.url_to_fs(self.root)
+        data = self._fs.cat_file(self._base.rstrip("/") + "/" + self.paths[i])
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                img = im.convert("RGB")
+        except (OSError, ValueError, Image.DecompressionBombError):
+            self.bad += 1
+            img = Image.new("RGB", self.fallback)
+        return img, self.labels[i]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+
+def ffcv_write(dataset: Any, path: str, mode: str, max_resolution: int, workers: int) -> float:
+    """Write ``dataset`` as an FFCV ``.beton`` (``raw`` or ``jpg`` image mode); returns seconds."""
+    from ffcv.fields import IntField, RGBImageField  # type: ignore[import-not-found]
+    from ffcv.writer import DatasetWriter  # type: ignore[import-not-found]
+
+    t = time.perf_counter()
+    writer = DatasetWriter(path, {"image": RGBImageField(write_mode=mode, max_resolution=max_resolution),
+                                  "label": IntField()}, num_workers=workers)
+    writer.from_indexed_dataset(dataset)
+    return time.perf_counter() - t
+
+
+def ffcv_loader(path: str, size: int, batch: int, workers: int) -> Any:
+    """FFCV loader producing the same batches as ours: uint8 NCHW, random-resized-crop to ``size`` + flip,
+    random order, page cache (``os_cache=True``), the last partial batch kept."""
+    from ffcv.fields.basics import IntDecoder  # type: ignore[import-not-found]
+    from ffcv.fields.rgb_image import RandomResizedCropRGBImageDecoder  # type: ignore[import-not-found]
+    from ffcv.loader import Loader, OrderOption  # type: ignore[import-not-found]
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor, ToTorchImage  # type: ignore[import-not-found]
+
+    pipelines = {"image": [RandomResizedCropRGBImageDecoder((size, size)), RandomHorizontalFlip(), ToTensor(),
+                           ToTorchImage(channels_last=False)],
+                 "label": [IntDecoder(), ToTensor()]}
+    return Loader(path, batch_size=batch, num_workers=workers, os_cache=True, order=OrderOption.RANDOM,
+                  drop_last=False, pipelines=pipelines, seed=0)
+
+
+def ffcv_epoch(loader: Any, size: int) -> tuple[float, int]:
+    """One FFCV epoch: (seconds, samples); checks the batches' dtype and shape."""
+    n, t = 0, time.perf_counter()
+    for images, labels in loader:
+        assert images.dtype == torch.uint8 and tuple(images.shape[1:]) == (3, size, size), images.shape
+        n += int(labels.shape[0])
+    return time.perf_counter() - t, n
+
+
+def ffcv_first_epoch_from_slowfile(source: str, beton: str, size: int, batch: int, *, workers: int = 2,
+                                   max_resolution: int = 43) -> dict[str, Any]:
+    """A user switching to FFCV: list + convert the JPEG folder to a raw ``.beton`` (reading ``source``),
+    then the first epoch (numba JIT included). Seconds from nothing to the end of that epoch."""
+    t = time.perf_counter()
+    files = PILFiles(source)
+    list_s = time.perf_counter() - t
+    write_s = ffcv_write(files, beton, "raw", max_resolution, workers)
+    epoch_s, n = ffcv_epoch(ffcv_loader(beton, size, batch, workers), size)
+    return {"seconds": time.perf_counter() - t, "list_s": list_s, "convert_s": write_s, "epoch_s": epoch_s,
+            "samples": n, "beton_bytes": os.path.getsize(beton), "write_mode": "raw",
+            "max_resolution": max_resolution, "undecodable_written_as_black": "yes (FFCV has no skip)"}
+
+
+def ours_first_epoch_from_slowfile(source: str, lmdb_dir: str, size: int, batch: int, *, workers: int = 2,
+                                   short_side: int = 32) -> dict[str, Any]:
+    """Ours from the same folder: ``CachedImageNet`` on an empty LMDB cache, one cold epoch (read + decode +
+    write-back in the DataLoader workers), no conversion step. Seconds from nothing to its end."""
+    t = time.perf_counter()
+    ds = CachedImageNet(source, "lmdb://" + lmdb_dir, short_side=short_side, t1_dir=None)
+    list_s = time.perf_counter() - t
+    loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
+                        collate_fn=AugmentCollate(size), worker_init_fn=worker_init,
+                        generator=torch.Generator().manual_seed(0))
+    n = sum(int(labels.numel()) for _, labels in loader)
+    ds.flush(60)
+    st = ds.stats()
+    return {"seconds": time.perf_counter() - t, "list_s": list_s, "samples": n, "decoded": st["decoded"],
+            "quarantined": st.get("quarantined")}
+
+
+def run_ffcv_peer(root: str, workdir: str, batch: int, workers: int, max_resolution: int = 213
+                  ) -> dict[str, Any]:
+    """Write the loader dataset as ``.beton`` in raw and jpg mode and build both loaders; runs each
+    loader's first (JIT-compiling) epoch untimed. Returns {"available": False, "reason"} without FFCV."""
+    why = ffcv_available()
+    if why is not None:
+        return {"available": False, "reason": why}
+    files = PILFiles(root)
+    out: dict[str, Any] = {"available": True, "max_resolution": max_resolution, "loaders": {}}
+    for mode in ("raw", "jpg"):
+        path = os.path.join(workdir, f"loader-{mode}.beton")
+        write_s = ffcv_write(files, path, mode, max_resolution, workers)
+        loader = ffcv_loader(path, SIZE, batch, workers)
+        jit_s, _ = ffcv_epoch(loader, SIZE)  # numba compiles the pipeline in this first epoch
+        out[mode] = {"write_s": write_s, "beton_bytes": os.path.getsize(path), "first_epoch_s": jit_s}
+        out["loaders"][mode] = loader
+        print(f"FFCV {mode}: .beton {os.path.getsize(path) / 1e6:.0f} MB written in {write_s:.1f} s, first "
+              f"(JIT) epoch {jit_s:.1f} s")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run (300 images, batch 64)")
     ap.add_argument("--images", type=int, default=None, help="generated JPEGs (default 2000, quick 300)")
     ap.add_argument("--batch-size", type=int, default=None, help="default 256 (quick 64)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--install-peers", action="store_true",
+                    help="install FFCV (apt packages + pip) when it is missing; without it FFCV is skipped")
+    ap.add_argument("--no-ffcv", action="store_true", help="do not measure FFCV even when installed")
     args = ap.parse_args(argv)
+    peer_error = install_peers() if args.install_peers and not args.no_ffcv else None
     n_images = args.images or (300 if args.quick else 2000)
     batch = args.batch_size or (64 if args.quick else 256)
     machine = print_machine(machine_info())
@@ -298,14 +459,41 @@ def main(argv: list[str] | None = None) -> None:
     next(iter(naive_loader))  # start the other loaders' persistent workers outside the timed epochs
     next(iter(copy_loader))
     next(iter(records_loader))
+    # Fork hazard: FFCV runs its own thread pool in this process; every DataLoader above has forked its
+    # (persistent) workers already, so no fork happens while FFCV's threads are alive.
+    ffcv_dir = tempfile.mkdtemp(prefix="datacache-bench-ffcv-")
+    if args.no_ffcv:
+        ffcv: dict[str, Any] = {"available": False, "reason": "--no-ffcv"}
+    elif peer_error is not None:
+        ffcv = {"available": False, "reason": peer_error}
+    else:
+        ffcv = run_ffcv_peer(root, ffcv_dir, batch, args.workers)  # first (JIT) epochs run here, untimed
+    ffcv_loaders = ffcv.pop("loaders", {})
     timed: dict[str, list[tuple[float, int, float]]] = {"naive": [], "copy_ceiling": [], "copy_records": []}
+    ffcv_timed: dict[str, list[tuple[float, int]]] = {m: [] for m in ffcv_loaders}
     for r in range(ROUNDS):  # interleaved rounds: load from other jobs drifts over all pipelines alike
         timed["naive"].append(time_epoch(naive_loader, n, f"naive round {r + 1}"))
         for e in range(FAST_EPOCHS):
             dc_epoch(2 + r * FAST_EPOCHS + e, dc_loader)
             timed["copy_ceiling"].append(time_epoch(copy_loader, n, f"copy round {r + 1}"))
             timed["copy_records"].append(time_epoch(records_loader, n, f"copy records round {r + 1}"))
-    del naive_loader, dc_loader, copy_loader, records_loader
+            for mode, fl in ffcv_loaders.items():  # FFCV's threads run in this process, between our epochs
+                ffcv_timed[mode].append(ffcv_epoch(fl, SIZE))
+    del naive_loader, dc_loader, copy_loader, records_loader, ffcv_loaders
+    shutil.rmtree(ffcv_dir, ignore_errors=True)
+    for mode, runs in ffcv_timed.items():
+        ffcv[mode].update(samples_per_s=sum(c for _, c in runs) / sum(dt for dt, _ in runs),
+                          per_epoch=[c / dt for dt, c in runs])
+        print(f"FFCV {mode}:          {ffcv[mode]['samples_per_s']:8.0f} samples/s")
+    if not ffcv["available"]:
+        print(f"FFCV:              not run: {ffcv['reason']}")
+        notes.append(f"FFCV not measured ({ffcv['reason']}); warm_vs_ffcv_* are null")
+    else:
+        notes.append(f"FFCV 1.0.2: .beton with RGBImageField(max_resolution={ffcv['max_resolution']}) (the "
+                     "size of our short-side-160 records), RandomResizedCropRGBImageDecoder((128, 128)) + "
+                     "RandomHorizontalFlip, uint8 NCHW, os_cache=True, 2 workers, random order; its first "
+                     "(numba JIT) epoch untimed; timed epochs interleaved with ours")
+    results["ffcv"] = ffcv
     load_after = os.getloadavg()
     for name, runs in timed.items():
         secs = sum(dt for dt, _, _ in runs)
@@ -341,37 +529,46 @@ def main(argv: list[str] | None = None) -> None:
         "warm_vs_naive": warm_rate / results["naive"]["samples_per_s"],
         "warm_vs_dali": warm_rate / dali["samples_per_s"] if dali["available"] else None,
         "warm_vs_copy_ceiling": warm_rate / results["copy_ceiling"]["samples_per_s"],
+        "warm_vs_ffcv_raw": warm_rate / ffcv["raw"]["samples_per_s"] if ffcv["available"] else None,
+        "warm_vs_ffcv_jpg": warm_rate / ffcv["jpg"]["samples_per_s"] if ffcv["available"] else None,
         "warm_vs_cold": warm_rate / epochs[0]["samples_per_s"],
         "warm_vs_copy_records": warm_rate / results["copy_records"]["samples_per_s"],
         # per CPU-second (robust to other jobs' load on this shared machine)
         "warm_vs_naive_cpu": warm_cpu_rate / results["naive"]["samples_per_cpu_s"],
         "warm_vs_copy_ceiling_cpu": warm_cpu_rate / results["copy_ceiling"]["samples_per_cpu_s"],
     }
-    targets = {"warm_vs_naive": 10.0, "warm_vs_dali": 8.0, "warm_vs_copy_ceiling": 0.5}
+    targets = {"warm_vs_naive": 10.0, "warm_vs_dali": 8.0, "warm_vs_copy_ceiling": 0.5,
+               "warm_vs_ffcv_raw": 1.5, "warm_vs_ffcv_jpg": 2.5}
     for name, target in targets.items():
         v = ratios[name]
         if v is not None and v < target:
             notes.append(f"target missed: {name} = {v:.2f} < {target}")
     config = {"images": n, "batch_size": batch, "workers": args.workers, "image_size": SIZE,
               "short_side": 160, "source_size": "500x375 q90", "quick": args.quick,
-              "decode_backend": ds.stats()["decode_backend"], "dali_installed": dali["available"]}
+              "decode_backend": ds.stats()["decode_backend"], "dali_installed": dali["available"],
+              "ffcv_installed": ffcv["available"]}
     name = "loader" if not args.quick else "loader_quick"
     with tempfile.TemporaryDirectory(dir=RESULTS_DIR) as tmp:  # write, then move: never half-written
         write_results(name, machine=machine, config=config, results=results, ratios=ratios, notes=notes,
                       out_dir=tmp)
-        _plot(os.path.join(tmp, name + ".png"), results, epochs, warm_rate, dali, batch, args.workers, n)
+        _plot(os.path.join(tmp, name + ".png"), results, epochs, warm_rate, dali, batch, args.workers, n,
+              ffcv)
         for ext in (".json", ".png"):
             os.replace(os.path.join(tmp, name + ext), RESULTS_DIR / (name + ext))
     print(f"moved {name}.json / {name}.png into {RESULTS_DIR}")
 
 
 def _plot(path: str, results: dict[str, Any], epochs: list[dict[str, Any]], warm_rate: float,
-          dali: dict[str, Any], batch: int, workers: int, n: int) -> None:
-    labels = ["naive PIL", "DALI CPU", "datacache cold", "datacache warm", "copy ceiling"]
-    values = [results["naive"]["samples_per_s"], dali.get("samples_per_s", 0.0), epochs[0]["samples_per_s"],
-              warm_rate, results["copy_ceiling"]["samples_per_s"]]
+          dali: dict[str, Any], batch: int, workers: int, n: int, ffcv: dict[str, Any]) -> None:
+    labels = ["naive PIL", "DALI CPU", "FFCV raw", "FFCV jpg", "datacache cold", "datacache warm",
+              "copy ceiling"]
+    values = [results["naive"]["samples_per_s"], dali.get("samples_per_s", 0.0),
+              ffcv.get("raw", {}).get("samples_per_s", 0.0), ffcv.get("jpg", {}).get("samples_per_s", 0.0),
+              epochs[0]["samples_per_s"], warm_rate, results["copy_ceiling"]["samples_per_s"]]
     if not dali["available"]:
         labels[1] = "DALI CPU\n(not installed)"
+    if not ffcv["available"]:
+        labels[2], labels[3] = "FFCV raw\n(not installed)", "FFCV jpg\n(not installed)"
     bar_chart(path, labels, values,
               title=f"{SIZE}px RRC+flip uint8 batches of {batch}, {workers} workers ({n} JPEGs)",
               ylabel="samples/s")
