@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return rank_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 300 images, 2 epochs of 3 steps")
-    ap.add_argument("--images", type=int, default=None, help="generated JPEGs (default 2000, quick 300)")
+    ap.add_argument("--images", type=int, default=None, help="generated JPEGs (default 4000, quick 300)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per variant (default 3, quick 2)")
     ap.add_argument("--rate-gbit", type=float, default=1.0, help="tbf rate of every link (default 1)")
     ap.add_argument("--exchange", type=float, default=0.1, help="--sampler local's Q (default 0.1)")
@@ -178,21 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     from bench.train import LATENCY_MS, MBPS
     from trainer.cluster_model import ClusterAssumptions, model
 
-    why = why_unavailable()
-    if why:
-        print(f"bench.e2e: cannot build the emulated cluster: {why}", file=sys.stderr)
-        return 2
     variants = [v for v in a.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not variants:
         print(f"bench.e2e: --variants {a.variants!r}: unknown {bad}; choose from {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
-    if a.batch % 3:
-        print(f"bench.e2e: --batch {a.batch} must be a multiple of the 3 ranks", file=sys.stderr)
+    if a.batch < 3 or a.batch % 3:
+        print(f"bench.e2e: --batch {a.batch} must be a positive multiple of the 3 ranks", file=sys.stderr)
+        return 2
+    why = why_unavailable()
+    if why:
+        print(f"bench.e2e: cannot build the emulated cluster: {why}", file=sys.stderr)
         return 2
     epochs = a.epochs or (2 if a.quick else 3)
-    n_images = a.images or (300 if a.quick else 2000)
+    n_images = a.images or (300 if a.quick else 4000)
     machine = print_machine(machine_info())
     load_before = os.getloadavg()
     root = ensure_dataset(n_images)
