@@ -170,6 +170,7 @@ def _carry_sampler_rows(old: dict[str, Any], doc: dict[str, Any]) -> None:
 
 def sampler_rows(split: Any, base: str, epochs: int | None, quick: bool, machine: dict[str, Any]) -> None:
     """The ``--sampler`` rows on the emulated cluster, merged into the existing results (docstring)."""
+    import shutil
     import tempfile
 
     from bench.e2e import run_job, wait_full
@@ -209,7 +210,8 @@ def sampler_rows(split: Any, base: str, epochs: int | None, quick: bool, machine
             print(f"{name:>20}: top-1 {100 * curves[name][-1]:.2f}% after {len(eps)} epochs "
                   f"({seconds[name]:.0f} s; local reads {local_fraction[name]})", flush=True)
     finally:
-        c.down()
+        c.down()  # a failure keeps `work` (its node*.log files are named in the error)
+    shutil.rmtree(work, ignore_errors=True)  # the temp dir this run made
     load_after = os.getloadavg()
     name = "convergence" if not quick else "convergence_quick"
     path = RESULTS_DIR / f"{name}.json"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     ap.add_argument("--fill-timeout", type=float, default=900.0, help="seconds to wait for the daemons")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics.jsonl)")
     a = ap.parse_args(argv)
     from bench.emucluster import EmuCluster, EmuConfig, EmuError, why_unavailable
     from bench.loader import ensure_dataset
@@ -234,10 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"kB/sample (cache {r['cache_link_bytes_per_sample'] / 1e3:.1f}), local reads "
                   + ("-" if lf is None else f"{100 * lf:.1f}%"), flush=True)
     except (EmuError, RuntimeError) as e:
+        a.keep = True  # the error names logs in the work directory
         print(f"bench.e2e: {e}", file=sys.stderr)
         return 1
     finally:
         c.down()
+        if a.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)  # the temp dir this run made (logs, checkpoints)
     load_after = os.getloadavg()
 
     def ratio(num: str, den: str, key: str = "samples_per_s") -> float | None:
