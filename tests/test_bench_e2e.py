@@ -68,3 +68,21 @@ def test_quick_smoke_on_the_emulated_cluster(tmp_path) -> None:
     assert "phases" in res["paper_scale_model"]
     assert any("load average" in n for n in doc["notes"])
     assert doc["config"]["load_average_before"] and doc["config"]["rate_gbit"] == 1.0
+
+
+def test_a_full_convergence_run_keeps_the_sampler_rows() -> None:
+    from bench.convergence import _carry_sampler_rows
+
+    old = {"accuracy": {"dense": 0.9, "sampler_global": 0.99, "sampler_local_q0.1": 0.98},
+           "results": {"curves": {"dense": [0.9]}, "sampler_curves": {"sampler_global": [0.99]}},
+           "ratios": {"topk_minus_dense_pp": 0.0, "sampler_local_q0.1_minus_global_pp": -1.0},
+           "config": {"sampler_rows": {"world_size": 3}}, "notes": ["old note", "sampler rows: measured"]}
+    new = {"accuracy": {"dense": 0.95}, "results": {"curves": {"dense": [0.95]}},
+           "ratios": {"topk_minus_dense_pp": 0.5}, "config": {"world_size": 4}, "notes": ["new note"]}
+    _carry_sampler_rows(old, new)
+    assert new["accuracy"] == {"dense": 0.95, "sampler_global": 0.99, "sampler_local_q0.1": 0.98}
+    assert new["results"]["sampler_curves"] == {"sampler_global": [0.99]}
+    assert new["results"]["curves"] == {"dense": [0.95]}  # the new run's own rows win
+    assert new["ratios"] == {"topk_minus_dense_pp": 0.5, "sampler_local_q0.1_minus_global_pp": -1.0}
+    assert new["config"] == {"world_size": 4, "sampler_rows": {"world_size": 3}}
+    assert new["notes"] == ["new note", "sampler rows: measured"]
