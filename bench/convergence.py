@@ -17,6 +17,16 @@ train identically. Writes ``bench/results/convergence.json`` (``accuracy: {dense
 hitopk}``, top-1 on the held-out split after the last epoch, plus per-epoch curves) and a PNG.
 Targets: every sparse method within 1 pp of dense; MSTopK not below TopK.
 ``python -m bench.convergence [--epochs N] [--quick]``.
+
+Sampler rows (``sudo python -m bench.convergence --samplers``, root: network namespaces): the same digits
+recipe on the emulated cluster (:mod:`bench.emucluster`: 3 nodes x 1 gloo rank over shaped 1 Gbit/s
+veths, the cache a Redis Cluster of one master per node that the nodes' daemons fill first), HiTopK as
+the ``hitopk`` row (``--comm hitopk --selector mstopk``, density 1 %), global batch 63 (the recipe's 64
+does not split over 3 ranks), same seeds: ``--sampler global`` vs ``--sampler local`` at Q = 0 and
+Q = 0.1. They are merged into ``convergence.json`` (``accuracy.sampler_global``,
+``accuracy.sampler_local_q0``, ``accuracy.sampler_local_q0.1``, curves under
+``results.sampler_curves``) beside the rows above, which are kept; a full run keeps the sampler rows
+too. Target: each local row within 0.3 pp of global (one held-out image is 0.28 pp).
 """
 
 from __future__ import annotations
@@ -71,10 +81,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="epochs per run (default: the digits recipe's 30)")
     ap.add_argument("--quick", action="store_true", help="2 epochs, no PTO comparison (smoke run)")
     ap.add_argument("--no-pto", action="store_true", help="skip the LARS vs PTO-LARS runs")
+    ap.add_argument("--samplers", action="store_true", help="only the sampler rows on the emulated cluster "
+                    "(root), merged into the existing results")
     args = ap.parse_args(argv)
     machine = print_machine(machine_info())
     base = os.path.join(user_cache_dir(), "datacache", "bench", "digits")
     split = render(os.path.join(base, "data"))
+    if args.samplers:
+        sampler_rows(split, base, args.epochs or (2 if args.quick else None), args.quick, machine)
+        return
     cache = "lmdb://" + os.path.join(base, "cache")
     for root in (split.train, split.val):  # one warm cache for every run
         ds = CachedImageNet(root, cache=cache, short_side=32)
@@ -122,20 +137,131 @@ def main(argv: list[str] | None = None) -> None:
               "val_images": split.n_val,
               "quick": args.quick}
     name = "convergence" if not args.quick else "convergence_quick"
+    old = _load(RESULTS_DIR / f"{name}.json")
     path = write_results(name, machine=machine, config=config, results=results, ratios=ratios, notes=notes)
     doc = json.loads(path.read_text())
     doc["accuracy"] = acc  # the headline at the top level too
+    _carry_sampler_rows(old, doc)
     path.write_text(json.dumps(doc, indent=2) + "\n")
-    _plot(RESULTS_DIR / f"{name}.png", results["curves"])
+    _plot(RESULTS_DIR / f"{name}.png", results["curves"], doc["results"].get("sampler_curves", {}))
 
 
-def _plot(path: Any, curves: dict[str, list[float]]) -> None:
+SAMPLERS = {"sampler_global": ["--sampler", "global"],
+            "sampler_local_q0": ["--sampler", "local", "--exchange", "0"],
+            "sampler_local_q0.1": ["--sampler", "local", "--exchange", "0.1"]}
+
+
+def _load(path: Any) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _carry_sampler_rows(old: dict[str, Any], doc: dict[str, Any]) -> None:
+    """Copy the sampler rows (keys starting with ``sampler``) of ``old`` into ``doc`` where it lacks them."""
+    for part in ("accuracy", "results", "ratios", "config"):
+        for k, v in old.get(part, {}).items():
+            if k.startswith("sampler") and k not in doc.setdefault(part, {}):
+                doc[part][k] = v
+    doc["notes"] += [n for n in old.get("notes", [])
+                     if n.startswith("sampler rows") and n not in doc["notes"]]
+
+
+def sampler_rows(split: Any, base: str, epochs: int | None, quick: bool, machine: dict[str, Any]) -> None:
+    """The ``--sampler`` rows on the emulated cluster, merged into the existing results (docstring)."""
+    import shutil
+    import tempfile
+
+    from bench.e2e import run_job, wait_full
+    from bench.emucluster import EmuCluster, EmuConfig, why_unavailable
+
+    why = why_unavailable()
+    if why:
+        raise SystemExit(f"bench.convergence --samplers: cannot build the emulated cluster: {why}")
+    load_before = os.getloadavg()
+    work = tempfile.mkdtemp(prefix="datacache-conv-")
+    c = EmuCluster(EmuConfig(state_dir=os.path.join(work, "cluster"), rate_gbit=1.0, short_side=32,
+                             datasets=(split.train, split.val), timeout=120.0))
+    curves: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    local_fraction: dict[str, float | None] = {}
+    try:
+        c.up()
+        wait_full(c, 600.0)
+        common = ["--recipe", "digits", "--data", split.train, "--val-data", split.val, "--cache",
+                  c.cache_url(), "--device", "cpu", "--threads", "1", "--comm", "hitopk", "--selector",
+                  "mstopk", "--density", "0.01", "--batch-size", "63", "--seed", "0", "--no-progress",
+                  "--overwrite", "--keep-checkpoints", "1"]
+        if epochs:
+            common += ["--epochs", str(epochs)]
+        for k, (name, extra) in enumerate(SAMPLERS.items()):
+            out = os.path.join(work, name)
+            os.makedirs(out)
+            t = time.perf_counter()
+            run_job(c, name, ["-m", "trainer", *common, *extra, "--out", out], out, timeout=1800.0,
+                    port=29450 + k)
+            seconds[name] = time.perf_counter() - t
+            eps = _epochs(out)
+            curves[name] = [e["val_top1"] for e in eps]
+            lb = sum(e.get("local_bytes", 0) for e in eps)
+            rb = sum(e.get("remote_bytes", 0) for e in eps)
+            local_fraction[name] = lb / (lb + rb) if lb + rb else None
+            print(f"{name:>20}: top-1 {100 * curves[name][-1]:.2f}% after {len(eps)} epochs "
+                  f"({seconds[name]:.0f} s; local reads {local_fraction[name]})", flush=True)
+    finally:
+        c.down()  # a failure keeps `work` (its node*.log files are named in the error)
+    shutil.rmtree(work, ignore_errors=True)  # the temp dir this run made
+    load_after = os.getloadavg()
+    name = "convergence" if not quick else "convergence_quick"
+    path = RESULTS_DIR / f"{name}.json"
+    doc = _load(path) or {"machine": machine, "config": {}, "results": {}, "ratios": {}, "notes": [],
+                          "accuracy": {}}
+    acc = {k: v[-1] for k, v in curves.items()}
+    doc["accuracy"].update(acc)
+    doc["results"]["sampler_curves"] = curves
+    doc["results"]["sampler_seconds"] = seconds
+    doc["results"]["sampler_local_read_fraction"] = local_fraction
+    doc["results"].setdefault("accuracy", {}).update(acc)
+    for k in ("sampler_local_q0", "sampler_local_q0.1"):
+        doc["ratios"][f"{k}_minus_global_pp"] = 100 * (acc[k] - acc["sampler_global"])
+    doc["config"]["sampler_rows"] = {
+        "where": "emulated cluster (bench.emucluster), 3 nodes x 1 gloo rank, 1 Gbit/s tbf links, Redis "
+                 "Cluster cache filled by the nodes' daemons", "world_size": 3, "global_batch": 63,
+        "comm": "hitopk", "selector": "mstopk", "density": 0.01, "seed": 0,
+        "epochs": len(curves["sampler_global"]),
+        "machine": machine, "load_average_before": list(load_before), "load_average_after": list(load_after)}
+    doc["notes"] = [n for n in doc["notes"] if not n.startswith("sampler rows")]
+    doc["notes"].append(f"sampler rows: measured on {machine.get('date_utc', '?')}, load average "
+                        f"{load_before[0]:.2f} before / {load_after[0]:.2f} after (1 min)")
+    for k in ("sampler_local_q0", "sampler_local_q0.1"):
+        d = doc["ratios"][f"{k}_minus_global_pp"]
+        if abs(d) > 0.3:
+            doc["notes"].append(f"sampler rows: target missed: {k} is {d:+.2f} pp from sampler_global "
+                                "(within 0.3 pp)")
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}")
+    _plot(RESULTS_DIR / f"{name}.png", doc["results"].get("curves", {}), curves)
+
+
+def _plot(path: Any, curves: dict[str, list[float]], sampler_curves: dict[str, list[float]] | None = None
+          ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    if sampler_curves:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4))
+        for name, ys in sampler_curves.items():
+            ax2.plot(range(1, len(ys) + 1), [100 * y for y in ys], marker="o", ms=3, label=name)
+        ax2.set_xlabel("epoch")
+        ax2.set_ylabel("held-out top-1 (%)")
+        ax2.set_title("digits, emulated cluster 3 x 1 rank, HiTopK 1 %: global vs local sampler")
+        ax2.set_ylim(80, 100.5)
+        ax2.legend()
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
     for name, ys in curves.items():  # PTO-LARS dashed over LARS: identical curves coincide
         style = {"ls": "--", "marker": "x"} if name == "pto_lars" else {"marker": "o"}
         ax.plot(range(1, len(ys) + 1), [100 * y for y in ys], ms=3, label=name, **style)

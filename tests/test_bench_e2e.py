@@ -1,0 +1,88 @@
+"""``python -m bench.e2e``: its argument checks (anywhere) and a ``--quick`` smoke run on the emulated
+3-node cluster (root: network namespaces; skipped with the reason elsewhere). The smoke run starts the
+real cluster (redis-servers, daemons, shaped veths) and three torchrun jobs; it checks what the JSON
+reports against what the variants must show, not rates (the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.emucluster import why_unavailable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": REPO}
+SKIP = why_unavailable()
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bench.e2e", *args], capture_output=True, text=True,
+                          cwd=REPO, env=ENV, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--variants", "naive,bogus"], ["bogus", "cache_local_hitopk"]),
+    (["--batch", "100"], ["--batch 100", "multiple of the 3 ranks"]),
+])
+def test_bad_arguments_are_one_line_errors(args: list[str], words: list[str]) -> None:
+    r = _run(args, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")
+def test_quick_smoke_on_the_emulated_cluster(tmp_path) -> None:
+    r = _run(["--quick", "--epochs", "1", "--variants", "naive,cache_global_hitopk,cache_local_hitopk",
+              "--out", str(tmp_path)], timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    doc = json.loads((tmp_path / "e2e_quick.json").read_text())
+    assert (tmp_path / "e2e_quick.png").stat().st_size > 0
+    assert set(doc) == {"machine", "config", "results", "ratios", "notes"}
+    res, ratios = doc["results"], doc["ratios"]
+    naive, glob, local = res["naive"], res["cache_global_hitopk"], res["cache_local_hitopk"]
+    # the naive loader never touches the cache; the cached variants read only hits (the daemons filled it)
+    assert naive["cache_hits"] == naive["local_bytes"] == naive["remote_bytes"] == 0
+    for v in (glob, local):
+        assert v["cache_misses"] == 0 and v["cache_hits"] == v["samples"] > 0
+        assert v["comm_method"] == ["hitopk"]
+    assert naive["comm_method"] == ["allreduce"]
+    # every job moved gradients across the links; the link total holds the remote cache bytes
+    for v in (naive, glob, local):
+        assert v["gradient_link_bytes_per_sample"] > 0
+        assert v["link_bytes_per_sample"] >= v["cache_link_bytes_per_sample"]
+    # 3 nodes: the global shuffle reads ~2/3 remotely, the local sampler (Q = 0.1) ~1/15
+    assert 0.15 < glob["local_read_fraction"] < 0.6
+    assert local["local_read_fraction"] > 0.8
+    assert local["cache_link_bytes_per_sample"] < 0.5 * glob["cache_link_bytes_per_sample"]
+    assert ratios["local_read_fraction"] == local["local_read_fraction"]
+    assert ratios["link_bytes_local_vs_global"] == pytest.approx(
+        local["cache_link_bytes_per_sample"] / glob["cache_link_bytes_per_sample"])
+    assert ratios["e2e_full_vs_naive"] == pytest.approx(local["samples_per_s"] / naive["samples_per_s"])
+    assert ratios["e2e_cache_dense_vs_naive"] is None  # cache_global_dense did not run
+    assert "phases" in res["paper_scale_model"]
+    assert any("load average" in n for n in doc["notes"])
+    assert doc["config"]["load_average_before"] and doc["config"]["rate_gbit"] == 1.0
+
+
+def test_a_full_convergence_run_keeps_the_sampler_rows() -> None:
+    from bench.convergence import _carry_sampler_rows
+
+    old = {"accuracy": {"dense": 0.9, "sampler_global": 0.99, "sampler_local_q0.1": 0.98},
+           "results": {"curves": {"dense": [0.9]}, "sampler_curves": {"sampler_global": [0.99]}},
+           "ratios": {"topk_minus_dense_pp": 0.0, "sampler_local_q0.1_minus_global_pp": -1.0},
+           "config": {"sampler_rows": {"world_size": 3}}, "notes": ["old note", "sampler rows: measured"]}
+    new = {"accuracy": {"dense": 0.95}, "results": {"curves": {"dense": [0.95]}},
+           "ratios": {"topk_minus_dense_pp": 0.5}, "config": {"world_size": 4}, "notes": ["new note"]}
+    _carry_sampler_rows(old, new)
+    assert new["accuracy"] == {"dense": 0.95, "sampler_global": 0.99, "sampler_local_q0.1": 0.98}
+    assert new["results"]["sampler_curves"] == {"sampler_global": [0.99]}
+    assert new["results"]["curves"] == {"dense": [0.95]}  # the new run's own rows win
+    assert new["ratios"] == {"topk_minus_dense_pp": 0.5, "sampler_local_q0.1_minus_global_pp": -1.0}
+    assert new["config"] == {"world_size": 4, "sampler_rows": {"world_size": 3}}
+    assert new["notes"] == ["new note", "sampler rows: measured"]
