@@ -60,8 +60,8 @@ def rank_main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     from trainer.cli import _explicit, build_parser
-    from trainer.config import make_config
     from trainer.run import train
+    from trainer.train_config import make_config
 
     args = build_parser().parse_args(["train", *argv])
     values = _explicit(args)
