@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -93,9 +94,11 @@ def http_get(url: str, timeout: float = 60.0) -> tuple[int, bytes, float]:
     return code, body, time.perf_counter() - t
 
 
-def http_post_json(url: str, obj: Any, timeout: float = 30.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=json.dumps(obj).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+def http_post_json(url: str, obj: Any, timeout: float = 30.0, token: str = "") -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(obj).encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
@@ -118,13 +121,16 @@ class Daemon:
         from datacache.redis_local import free_port
 
         self.name, self.port, self.root = name, free_port(), root
+        # POST /datasets (the wake-up below) needs a token and the dataset under allowed_sources
+        self.token = secrets.token_urlsafe(24)
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(workdir, f"{name}.log")
         cfg = os.path.join(workdir, f"{name}.toml")
         with open(cfg, "w") as f:
             f.write(f'node = "{name}"\ncache = "{cache}"\nredis_node = "{redis_node}"\n'
                     'ownership = "cluster"\n'
-                    f'workers = 1\nhttp_port = {self.port}\npoll_interval = {poll}\nt1_dir = "none"\n\n'
+                    f'workers = 1\nhttp_port = {self.port}\npoll_interval = {poll}\nt1_dir = "none"\n'
+                    f'api_token = "{self.token}"\nallowed_sources = ["{os.path.dirname(root)}"]\n\n'
                     f'[[datasets]]\nsource = "{root}"\nshort_side = {SHORT}\n')
         self.cmd = [sys.executable, "-m", "cache_daemon", "--config", cfg, "--no-progress"]
         self.start()
@@ -152,7 +158,8 @@ class Daemon:
         """Start a pass now: re-register the configured dataset (POST /datasets sets the daemon's wake
         event; the dataset is the same one, so nothing new is registered). False if refused."""
         try:
-            code, _ = http_post_json(self.base + "/datasets", {"source": self.root, "short_side": SHORT})
+            code, _ = http_post_json(self.base + "/datasets", {"source": self.root, "short_side": SHORT},
+                                     token=self.token)
         except OSError:
             return False
         return code in (200, 201)
