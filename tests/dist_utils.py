@@ -103,3 +103,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 4, local_size: int
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for a trainer subprocess: this checkout first on PYTHONPATH, and none of the
+    torchrun variables an earlier in-process distributed test may have left behind."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    for k in TORCHRUN_VARS:
+        env.pop(k, None)
+    return env

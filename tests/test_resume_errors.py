@@ -12,19 +12,9 @@ import sys
 import pytest
 
 from datacache.config import ConfigError
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, subprocess_env
 from trainer import checkpoint
 from trainer.train_config import make_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def _args(digits: dict, out: str, *extra: str) -> list[str]:
@@ -34,8 +24,8 @@ def _args(digits: dict, out: str, *extra: str) -> list[str]:
 
 
 def _train(digits: dict, out: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer", *_args(digits, out, *extra)], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "trainer", *_args(digits, out, *extra)],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -124,7 +114,7 @@ def test_another_world_size_mid_epoch_is_refused_before_anything_is_loaded(digit
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer",
            *_args(digits_data, out, "--resume", mid)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert f"{mid}/train.pt: saved mid-epoch with 1 ranks, now 2" in proc.stderr, proc.stderr[-3000:]
     assert "dropping residual" not in proc.stderr + proc.stdout  # nothing was loaded before the refusal

@@ -14,20 +14,10 @@ import torch
 from PIL import Image
 
 from datacache.config import ConfigError
-from tests.dist_utils import free_port
+from tests.dist_utils import free_port, subprocess_env
 from trainer import checkpoint
 from trainer.comm.state import HookState
 from trainer.digits import render
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def _records(out: str, event: str = "epoch") -> list[dict]:
@@ -70,7 +60,7 @@ def test_short_digits_run_under_torchrun_reaches_a_sane_accuracy(digits_data: di
            "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer", "--recipe", "digits", "--data",
            digits_data["train"], "--val-data", digits_data["val"], "--cache", digits_data["cache"],
            "--device", "cpu", "--threads", "1", "--epochs", "4", "--out", out, "--no-progress"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     epochs = _records(out)
     assert [e["epoch"] for e in epochs] == [0, 1, 2, 3]
@@ -92,7 +82,7 @@ def test_sweep_under_torchrun_second_run_starts_warm(digits_data: dict, tmp_path
            "--data", digits_data["train"], "--cache", cache, "--device", "cpu", "--epochs", "1",
            "--steps-per-epoch", "4", "--width", "4", "--resolution", "16", "--val-every", "0", "--out", out,
            "--no-progress", "--workers", "0", "--amp", "bf16"]  # bf16 autocast on the CPU too
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = [_records(os.path.join(out, d))[0] for d in sorted(os.listdir(out))]
     assert [r["lr"] > 0 for r in first] == [True, True] and len(first) == 2

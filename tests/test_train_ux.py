@@ -9,15 +9,11 @@ import sys
 import textwrap
 import tomllib
 
+from tests.dist_utils import subprocess_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def test_progress_bar_and_epoch_line_count_epochs_alike(digits_data: dict, tmp_path) -> None:
@@ -25,7 +21,7 @@ def test_progress_bar_and_epoch_line_count_epochs_alike(digits_data: dict, tmp_p
            digits_data["cache"], "--device", "cpu", "--threads", "1", "--epochs", "2",
            "--steps-per-epoch", "2", "--batch-size", "32", "--width", "4", "--resolution", "16",
            "--val-every", "0", "--workers", "0", "--progress", "--out", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     bar = proc.stderr  # tqdm writes the bar to stderr
     assert "epoch 1:" in bar and "epoch 2:" in bar and "epoch 0:" not in bar
@@ -40,7 +36,7 @@ def test_digits_without_scikit_learn_names_the_extra(tmp_path) -> None:
         from trainer.cli import main
         sys.exit(main(["digits", {str(tmp_path / "d")!r}]))
     """)
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
