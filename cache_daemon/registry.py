@@ -51,7 +51,11 @@ def registered(store: Any, allowed_sources: tuple[str, ...], *, strict: bool = F
     pass), or with ``strict`` raises: a caller that drops datasets missing from the list must not read
     "unreachable" as "everything was deleted"."""
     try:
-        raw = status_store(store).status_get(REGISTRY_KEY)
+        registry = status_store(store)
+    except ConfigError:  # a cache with no Redis tier (lmdb://, memory://) has no registry: nothing registered
+        return []
+    try:
+        raw = registry.status_get(REGISTRY_KEY)
     except Exception as e:
         if strict:
             raise

@@ -45,6 +45,7 @@ from datacache.decodepool import DecodePool
 from datacache.fillstatus import read_fill, summarize
 
 log = logging.getLogger("cache_daemon")
+FAILED_ROUNDS_UNHEALTHY = 3  # consecutive rounds that failed before any pass: /health turns 503
 EXIT_FORCED = 3  # SIGTERM's drain did not finish in drain_timeout (or a second signal): pool killed
 
 
@@ -66,6 +67,7 @@ class Daemon:
         self.stop_at = 0.0  # monotonic time of the first signal
         self.pool = DecodePool(cfg.workers or None)  # forked on first use; shared by every pass
         self.watch = Watchdog(cfg.pass_timeout, self.pool.workers)
+        self.failed_rounds, self.round_error = 0, ""  # rounds that failed before their passes ran
 
     # ------------------------------------------------------------ used by the HTTP thread
     def snapshot(self) -> list[dict[str, Any]]:
@@ -141,6 +143,11 @@ class Daemon:
         """Liveness of the pass loop and the decode pool (``/status`` and ``/health`` show it)."""
         out = self.watch.as_json()
         out["pool"] = {"created": self.pool.created, "workers": self.pool.workers, "pids": self.pool.pids()}
+        out["failed_rounds"], out["round_error"] = self.failed_rounds, self.round_error
+        if not out.get("stuck") and self.failed_rounds >= FAILED_ROUNDS_UNHEALTHY:
+            # no pass can start while every round fails before its passes: /health must say so
+            out["stuck"] = {"reason": f"{self.failed_rounds} rounds in a row failed before any pass: "
+                                      f"{self.round_error}"}
         return out
 
     def _handle_signal(self, signum: int, _frame: Any) -> None:
@@ -184,8 +191,11 @@ class Daemon:
                 self.watch.end_round()
                 if once and states and all(s.status in ("full", "budget") for s in states):
                     return
+                self.failed_rounds, self.round_error = 0, ""
             except Exception as e:  # the registry could not be read (store down): next round retries
-                log.warning("round failed (%s: %s); retried in %s s", type(e).__name__, e, self._poll_wait())
+                self.failed_rounds += 1
+                self.round_error = f"{type(e).__name__}: {e}"[:500]
+                log.warning("round failed (%s); retried in %s s", self.round_error, self._poll_wait())
             self.wake.wait(self._poll_wait())
             self.wake.clear()
 

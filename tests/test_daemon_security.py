@@ -412,3 +412,20 @@ def test_encoded_traversal_in_a_url_source_is_refused() -> None:
     for evil in ("http://127.0.0.1:8000/sets/%2e%2e/secret", "http://127.0.0.1:8000/sets/%2E%2E%2Fsecret",
                  "http://127.0.0.1:8000/sets/a\\..\\..\\secret", "http://127.0.0.1:8000/sets/a;/../../x"):
         assert not source_allowed(evil, allowed), evil
+
+
+def test_a_daemon_without_a_redis_tier_runs_its_passes(tmp_path, imagefolder_factory) -> None:
+    """An LMDB-only daemon has no registry: rounds run their passes (regression: the registry sync raised
+    "no Redis tier" before every pass, so no pass ever ran while /health said 200)."""
+    from cache_daemon.service import Daemon
+
+    root = imagefolder_factory(classes=2, per_class=2, size=(40, 30))
+    cfg = DaemonConfig(cache=f"lmdb://{tmp_path}/cache", node="n1", http_port=0, workers=1,
+                       datasets=(DatasetSpec(source=root, short_side=16),))
+    d = Daemon(cfg, progress=False)
+    d._sync_registry()  # no exception, nothing dropped
+    assert list(d.states) == [cfg.datasets[0].ident()]
+    assert d.run(once=True) == 0
+    assert d.loop_status()["passes"] >= 1 and d.loop_status()["failed_rounds"] == 0
+    d.failed_rounds, d.round_error = 3, "ConnectionError: registry unreachable"  # as three failed rounds leave it
+    assert "3 rounds in a row failed" in d.loop_status()["stuck"]["reason"]  # /health turns 503 on "stuck"
