@@ -427,5 +427,5 @@ def test_a_daemon_without_a_redis_tier_runs_its_passes(tmp_path, imagefolder_fac
     assert list(d.states) == [cfg.datasets[0].ident()]
     assert d.run(once=True) == 0
     assert d.loop_status()["passes"] >= 1 and d.loop_status()["failed_rounds"] == 0
-    d.failed_rounds, d.round_error = 3, "ConnectionError: registry unreachable"  # as three failed rounds leave it
+    d.failed_rounds, d.round_error = 3, "ConnectionError: registry unreachable"  # three failed rounds
     assert "3 rounds in a row failed" in d.loop_status()["stuck"]["reason"]  # /health turns 503 on "stuck"
