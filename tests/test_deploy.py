@@ -113,8 +113,9 @@ def test_redis_conf_runs_a_cluster_for_the_acl_user(tmp_path) -> None:
         assert admin(p, "config", "get", "appendonly").split()[-1] == "no"
         assert admin(p, "config", "get", "save").strip().endswith("save")  # save "" = no snapshots
         assert admin(p, "config", "get", "protected-mode").split()[-1] == "yes"
-        deadline = time.monotonic() + 20
-        while "cluster_state:ok" not in admin(p, "cluster", "info") and time.monotonic() < deadline:
+        deadline = time.monotonic() + 20  # every master agrees the cluster is up (not only the first)
+        while (not all("cluster_state:ok" in admin(m.port, "cluster", "info") for m in masters)
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         url = "redis+cluster://datacache:CHANGE_ME@" + ",".join(m.addr for m in masters)
         s = open_store(url)
