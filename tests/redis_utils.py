@@ -76,3 +76,16 @@ def fresh_cluster(tmp_path) -> Iterator[LocalCluster]:
     cl = start_cluster(str(tmp_path / "cluster"), 3)
     yield cl
     cl.stop()
+
+def slot_owners(port: int) -> dict[int, str]:
+    """Slot -> ``host:port`` of its master, asked of a cluster node with ``CLUSTER SLOTS`` (a test reference
+    independent of the store's own slot map)."""
+    import redis
+
+    owner: dict[int, str] = {}
+    r = redis.Redis(host="127.0.0.1", port=port)
+    for start, end, master, *_ in r.execute_command("CLUSTER SLOTS"):
+        host = master[0].decode() if isinstance(master[0], bytes) else master[0]
+        for s in range(int(start), int(end) + 1):
+            owner[s] = f"{host}:{int(master[1])}"
+    return owner

@@ -13,7 +13,7 @@ from client.dataset import CachedImageNet
 from datacache.cacheurl import parse_cache_url
 from datacache.config import ConfigError
 from datacache.stores import open_store
-from tests.redis_utils import needs_redis
+from tests.redis_utils import needs_redis, slot_owners
 
 pytestmark = needs_redis
 
@@ -22,11 +22,7 @@ def _reference(cluster, keys: list[bytes], local: str) -> tuple[int, int, int, i
     """(local hits, local bytes, remote hits, remote bytes) from the servers' own answers."""
     first = cluster.masters[0]
     r = redis.Redis(host="127.0.0.1", port=first.port)
-    owner: dict[int, str] = {}
-    for start, end, master, *_ in r.execute_command("CLUSTER SLOTS"):
-        host = master[0].decode() if isinstance(master[0], bytes) else master[0]
-        for s in range(int(start), int(end) + 1):
-            owner[s] = f"{host}:{int(master[1])}"
+    owner = slot_owners(cluster.masters[0].port)
     clients = {m.addr: redis.Redis(host="127.0.0.1", port=m.port) for m in cluster.masters}
     out = [0, 0, 0, 0]
     for k in keys:

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from tests.dist_utils import run_distributed
-from tests.redis_utils import cli, needs_redis
+from tests.redis_utils import cli, needs_redis, slot_owners
 from trainer.train_config import make_config
 
 pytestmark = needs_redis
@@ -72,11 +72,7 @@ def _fill(root: str, url: str) -> list[bytes]:
 def _owner_and_size(cluster, keys: list[bytes]) -> tuple[list[str], list[int]]:
     """Each key's master and value size, asked of the servers (independent of the store's slot map)."""
     r = redis.Redis(host="127.0.0.1", port=cluster.masters[0].port)
-    owner: dict[int, str] = {}
-    for start, end, master, *_ in r.execute_command("CLUSTER SLOTS"):
-        host = master[0].decode() if isinstance(master[0], bytes) else master[0]
-        for s in range(int(start), int(end) + 1):
-            owner[s] = f"{host}:{int(master[1])}"
+    owner = slot_owners(cluster.masters[0].port)
     clients = {m.addr: redis.Redis(host="127.0.0.1", port=m.port) for m in cluster.masters}
     owners = [owner[int(r.execute_command("CLUSTER KEYSLOT", k))] for k in keys]
     sizes = [int(clients[o].strlen(k)) for o, k in zip(owners, keys)]
