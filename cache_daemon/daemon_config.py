@@ -14,6 +14,7 @@ Example (``deploy/daemon.toml`` is the documented template)::
     poll_interval = 30.0                         # seconds between fill passes / registry checks
     pass_timeout = 0                             # a pass running longer fails /health (0 = from the work)
     drain_timeout = 30.0                         # SIGTERM: drain at most this long, then kill the pool
+    verify_interval = 600.0                      # an idle pass trusts "nothing removed" this long (0 = never)
 
     api_token_file = "/etc/datacache/api-token"  # or api_token = "..."; needed for POST/DELETE /datasets
     allowed_sources = ["/mnt/nfs/imagenet"]      # URL prefixes that POST /datasets may register from
@@ -156,6 +157,7 @@ class DaemonConfig:
     poll_interval: float = 30.0
     pass_timeout: float = 0.0  # seconds a pass may run before /health fails; 0 = derived from the work
     drain_timeout: float = 30.0  # seconds SIGTERM waits for the drain before it kills the decode pool
+    verify_interval: float = 600.0  # seconds an idle pass may trust "nothing removed" (0 = check every key)
     t1_dir: str = "default"
     t1_max_bytes: int = 0
     api_token: str = field(default="", repr=False)
@@ -205,10 +207,12 @@ class DaemonConfig:
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"daemon config: key 'poll_interval' must be a finite number of seconds > 0, "
                               f"got {v}")
-        for name, low in (("pass_timeout", 0.0), ("drain_timeout", 0.1)):
+        hints = {"pass_timeout": " (0 = derived from the work)", "verify_interval": " (0 = check every key "
+                 "every pass)"}
+        for name, low in (("pass_timeout", 0.0), ("drain_timeout", 0.1), ("verify_interval", 0.0)):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= low):
-                hint = " (0 = derived from the work)" if name == "pass_timeout" else ""
+                hint = hints.get(name, "")
                 raise ConfigError(f"daemon config: key {name!r} must be a finite number of seconds >= "
                                   f"{low:g}{hint}, got {v}")
         for prefix in self.allowed_sources:

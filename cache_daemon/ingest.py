@@ -4,7 +4,13 @@ A pass (:func:`ingest_pass`):
 
 1. lists the source (the manifest is persisted and revalidated like ``CachedImageNet`` does, so
    daemons and clients agree on the fingerprint and therefore on the keys);
-2. keeps the indices this daemon owns (:mod:`cache_daemon.ownership`, asked again every pass);
+2. keeps the indices this daemon owns (:mod:`cache_daemon.ownership`, asked again every pass; computed
+   from the indices without building the dataset's keys, and reused while the node's slots and the
+   dataset are unchanged);
+   **idle shortcut** (:mod:`cache_daemon.presence`): when the last pass found every owned sample
+   present less than ``verify_interval`` seconds ago and the servers holding them have removed nothing
+   since (same run id, same removal counters, no slot with fewer keys), the pass ends here: a full
+   dataset's pass costs a few INFO/COUNTKEYSINSLOT round trips, not one ``EXISTS`` per sample;
 3. **MinIO policy** (the default): if this node's Redis master is at its memory budget
    (``memory_budget``, else the master's ``maxmemory``), nothing more is filled -- the cache keeps
    what it has and the rest is served from the source, so the hit ratio equals the cached
@@ -31,7 +37,8 @@ from typing import Any
 
 from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
 from cache_daemon.decoders import variant_for
-from cache_daemon.ownership import owned_mask
+from cache_daemon.ownership import Owned, owned_indices
+from cache_daemon.presence import Stamp, take_stamp
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
 from datacache.decodepool import DecodePool, WorkerLost
@@ -62,6 +69,10 @@ class DatasetState:
     error: str = ""
     quarantined: dict[str, str] = field(default_factory=dict)
     variant_tag: str = ""  # the tag filled (its decoder family is the daemon decoder's), set by a pass
+    owned_cache: Owned | None = field(default=None, repr=False)  # the last pass's ownership answer
+    # (stamp, prefix, ownership digest, monotonic time) of the last pass that found nothing missing
+    verified: tuple[Stamp, bytes, bytes, float] | None = field(default=None, repr=False)
+    shortcut_passes: int = 0  # passes that skipped the per-key check (nothing removed since)
 
     @property
     def fill(self) -> float:
@@ -73,7 +84,8 @@ class DatasetState:
                 "fingerprint": self.fingerprint, "total": self.total, "owned": self.owned, "done": self.done,
                 "fill": round(self.fill, 6), "decoded": self.decoded, "rate": round(self.rate, 1),
                 "bytes_read": self.bytes_read, "write_errors": self.write_errors, "passes": self.passes,
-                "error": self.error, "quarantined_count": len(self.quarantined),
+                "error": self.error, "shortcut_passes": self.shortcut_passes,
+                "quarantined_count": len(self.quarantined),
                 "quarantined": dict(sorted(self.quarantined.items())[:100])}
 
 
@@ -128,9 +140,20 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,
                              t1_max_bytes=cfg.t1_max_bytes or None)
         state.fingerprint, state.total = man.fingerprint, len(man)
-        keys = reader.keys(range(len(man)))
-        mine = [i for i, m in enumerate(owned_mask(cfg, store, keys)) if m]
+        own = owned_indices(cfg, store, reader.prefix, len(man), state.owned_cache)
+        state.owned_cache = own
+        mine = own.indices
         state.owned = len(mine)
+        stamp = _stamp(cfg, store, own)  # before any check: a removal after it shows as a change
+        if _nothing_removed(cfg, state, own, stamp):
+            assert stamp is not None
+            state.verified = (stamp, own.prefix, own.digest, state.verified[3])  # type: ignore[index]
+            state.done, state.passes, state.status, state.error = state.owned, state.passes + 1, "full", ""
+            state.shortcut_passes += 1
+            log.debug("%s %s: pass %d: nothing removed since the last check: %d owned samples present",
+                      state.spec.source, variant.tag(), state.passes, state.owned)
+            _report(cfg, state, store, variant.tag())
+            return WarmReport(total=len(mine), skipped=len(mine))
         if watch is not None:
             watch.work(len(mine))
         halt = _Stop(stop)
@@ -169,6 +192,9 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         halt.budget = halt.budget or bool(budget and missing and (refused or used >= 0.98 * budget))
         state.done = state.owned - len(missing)
         state.passes += 1
+        # every owned sample was seen present after the stamp was taken: later passes may trust it
+        state.verified = (None if missing or stamp is None
+                          else (stamp, own.prefix, own.digest, time.monotonic()))
         state.status = "full" if not missing else ("budget" if halt.budget else "filling")
         if halt.budget and missing:
             log.warning("%s: node %s reached its memory budget (%d of %d bytes): %d of %d owned samples stay "
@@ -184,9 +210,32 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         if isinstance(e, WorkerLost) and pool is not None:
             pool.discard()  # its lost chunk would never come back; the next pass forks a fresh pool
         state.status, state.error = "error", f"{type(e).__name__}: {e}"
+        state.verified = None  # the next pass checks every key
         log.warning("%s: fill pass failed (%s); retried in %.0f s", state.spec.source, state.error,
                     cfg.poll_interval)
         return None
+
+
+def _stamp(cfg: DaemonConfig, store: Any, own: Owned) -> Stamp | None:
+    """The presence stamp of the servers holding ``own`` (None when the store has none or it failed:
+    this pass and the next then check every key)."""
+    if cfg.verify_interval <= 0:
+        return None
+    try:
+        return take_stamp(cfg, store, own.slots)
+    except Exception as e:  # a server down or refusing INFO: no shortcut, the full check decides
+        log.debug("presence stamp failed (%s: %s); checking every key", type(e).__name__, e)
+        return None
+
+
+def _nothing_removed(cfg: DaemonConfig, state: DatasetState, own: Owned, stamp: Stamp | None) -> bool:
+    """Whether this pass may skip the per-key check (see :mod:`cache_daemon.presence`)."""
+    v = state.verified
+    if stamp is None or v is None:  # (``verified`` is set only by a pass that found nothing missing)
+        return False
+    old, prefix, digest, when = v
+    fresh = time.monotonic() - when < cfg.verify_interval
+    return fresh and (prefix, digest) == (own.prefix, own.digest) and old.covers(stamp)
 
 
 def _report(cfg: DaemonConfig, state: DatasetState, store: Any, tag: str) -> None:

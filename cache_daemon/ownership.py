@@ -10,11 +10,17 @@
   every daemon configured with the same ``world_size`` and distinct ranks ``0..world_size-1`` the
   shares are disjoint and cover every key.
 * ``all``: one daemon owns everything.
+
+:func:`owned_indices` answers for a whole dataset without building its keys (the slots of
+``prefix + index`` are computed from the indices: :func:`~datacache.stores.redis_cluster.index_key_slots`)
+and returns a digest of what decided it (the node's slots, or rank/world size): a pass whose digest and
+dataset are unchanged reuses the previous answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,3 +48,63 @@ def owned_mask(cfg: DaemonConfig, store: Any, keys: Sequence[bytes]) -> np.ndarr
                            f"{', '.join(masters)}); this daemon owns nothing until it is")
     owners = store.master_of(keys)
     return np.fromiter((o == cfg.redis_node for o in owners), dtype=bool, count=len(keys))
+
+
+HASH_CHUNK = 65536  # keys built at once under ``hash`` ownership (bounded memory at any dataset size)
+
+
+@dataclass(frozen=True)
+class Owned:
+    """The indices of a dataset this daemon owns, and what decided them."""
+
+    indices: np.ndarray  # int64, ascending
+    prefix: bytes  # the dataset's key prefix (fingerprint and variant) and its size: what was asked
+    n: int
+    digest: bytes  # ownership inputs (mode, node and its slots / rank and world size)
+    slots: np.ndarray | None  # cluster: the slots this node serves (int32, ascending); else None
+
+
+def _cluster_slots(cfg: DaemonConfig, store: Any) -> np.ndarray:
+    store.refresh_slots()  # ask the cluster now: slots may have moved since the last pass
+    nodes, table = store.slot_table()
+    masters = store.masters()
+    if cfg.redis_node not in masters:
+        raise RuntimeError(f"redis_node {cfg.redis_node} is not a master of the cluster now (masters: "
+                           f"{', '.join(masters)}); this daemon owns nothing until it is")
+    return np.flatnonzero(table == nodes.index(cfg.redis_node)).astype(np.int32)
+
+
+def ownership_digest(cfg: DaemonConfig, store: Any) -> tuple[bytes, np.ndarray | None]:
+    """(digest of the ownership inputs now, the node's slots under ``cluster`` ownership)."""
+    if cfg.ownership == "cluster":
+        slots = _cluster_slots(cfg, store)
+        return xxhash.xxh3_128_digest(b"cluster:" + cfg.redis_node.encode() + b":" + slots.tobytes()), slots
+    if cfg.ownership == "hash":
+        return f"hash:{cfg.rank}/{cfg.world_size}".encode(), None
+    return b"all", None
+
+
+def owned_indices(cfg: DaemonConfig, store: Any, prefix: bytes, n: int,
+                  previous: Owned | None = None) -> Owned:
+    """Indices ``0..n-1`` whose keys ``prefix + b"%d" % i`` this daemon owns now (module docstring);
+    ``previous`` is returned as is when it answered the same question (same prefix -- the dataset's
+    fingerprint and variant --, size and ownership digest): nothing is recomputed."""
+    digest, slots = ownership_digest(cfg, store)
+    if previous is not None and (previous.prefix, previous.n, previous.digest) == (prefix, n, digest):
+        return previous
+    if cfg.ownership == "all":
+        return Owned(np.arange(n, dtype=np.int64), prefix, n, digest, None)
+    if cfg.ownership == "hash":
+        parts = []
+        for s in range(0, n, HASH_CHUNK):
+            idx = range(s, min(n, s + HASH_CHUNK))
+            mine = hash_owner([prefix + b"%d" % i for i in idx], cfg.world_size) == cfg.rank
+            parts.append(np.flatnonzero(mine) + s)
+        return Owned(np.concatenate(parts) if parts else np.zeros(0, np.int64), prefix, n, digest, None)
+    from datacache.stores.redis_cluster import NSLOTS, index_key_slots
+
+    assert slots is not None
+    member = np.zeros(NSLOTS, dtype=bool)
+    member[slots] = True
+    mine = np.flatnonzero(member[index_key_slots(prefix, np.arange(n))]).astype(np.int64)
+    return Owned(mine, prefix, n, digest, slots)

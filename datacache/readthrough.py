@@ -145,6 +145,11 @@ class ReadThrough:
     def key(self, index: int) -> bytes:
         return self._prefix + b"%d" % index
 
+    @property
+    def prefix(self) -> bytes:
+        """What every sample key of this dataset and variant starts with (``b"dc:<fp>:<variant>:"``)."""
+        return self._prefix
+
     def keys(self, indices: Sequence[int]) -> list[bytes]:
         p = self._prefix
         return [p + b"%d" % i for i in indices]  # ~3x cheaper than one sample_key call per index

@@ -212,7 +212,8 @@ def missing_in(reader: ReadThrough, store: Any, indices: Sequence[int], step: in
     (asked in chunks of ``step`` keys)."""
     out: list[int] = []
     for s in range(0, len(indices), step):
-        part = list(indices[s:s + step])
+        sl = indices[s:s + step]
+        part = sl.tolist() if hasattr(sl, "tolist") else list(sl)  # numpy indices -> Python ints
         have = store.contains(reader.keys(part))
         todo = [i for i, h in zip(part, have) if not h]
         bad = store.contains([reader.qkey(i) for i in todo]) if todo else []

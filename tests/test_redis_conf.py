@@ -115,6 +115,21 @@ def test_store_daemon_and_fill_paths_work_as_the_datacache_user(conf_cluster, tm
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "NOPERM" not in out.stderr
+    # the idle pass's presence stamp (INFO sections, COUNTKEYSINSLOT) works as that user: a second pass
+    # over the full share skips the per-key check
+    import threading
+
+    from cache_daemon.daemon_config import DaemonConfig
+    from cache_daemon.ingest import DatasetState, ingest_pass
+
+    cfg = DaemonConfig(cache=url, node="n0", redis_node=masters[0].addr, workers=1, t1_dir="none")
+    state, s = DatasetState(DatasetSpec(source=src)), open_store(url)
+    try:
+        for _ in range(2):
+            ingest_pass(cfg, state, s, decoder=None, stop=threading.Event(), progress=False)
+    finally:
+        s.close()
+    assert state.status == "full" and state.shortcut_passes == 1, state
     # nothing any of that sent was refused by the ACL on any master
     assert _acl_denials(masters) == {}
 

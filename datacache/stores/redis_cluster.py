@@ -66,6 +66,49 @@ def key_slots(keys: Sequence[bytes]) -> np.ndarray:
     return np.fromiter((key_slot(bytes(k)) for k in keys), dtype=np.int32, count=len(keys))
 
 
+def _crc16_table() -> np.ndarray:
+    """CRC16-XMODEM (polynomial 0x1021, initial 0: Redis Cluster's key hash) table, one entry per byte."""
+    table = np.zeros(256, dtype=np.uint32)
+    for b in range(256):
+        crc = b << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else (crc << 1)
+        table[b] = crc & 0xFFFF
+    return table
+
+
+_CRC16 = _crc16_table()
+
+
+def index_key_slots(prefix: bytes, indices: np.ndarray) -> np.ndarray:
+    """Hash slot of every key ``prefix + b"%d" % i`` for ``i`` in ``indices`` (non-negative ints), without
+    building one key: the CRC of ``prefix`` once, then the decimal digits of every index at once (the CRC
+    is a byte-at-a-time recurrence, vectorised over the keys, grouped by digit count). Equal to
+    :func:`key_slots` of the built keys (tested against redis-py's ``key_slot`` and ``CLUSTER KEYSLOT``);
+    a daemon's ownership at 1.28M samples costs ~0.1 s instead of ~1 s and no 100 MB of keys."""
+    idx = np.asarray(indices, dtype=np.int64)
+    if b"{" in prefix:  # a hash tag could make only part of the key count: the general path
+        return key_slots([prefix + b"%d" % i for i in idx.tolist()])
+    if idx.size and int(idx.min()) < 0:
+        raise ValueError("index_key_slots: indices must be >= 0")
+    crc0 = 0
+    for byte in prefix:
+        crc0 = ((crc0 << 8) & 0xFFFF) ^ int(_CRC16[((crc0 >> 8) ^ byte) & 0xFF])
+    out = np.empty(idx.shape, dtype=np.int32)
+    digits = np.ones(idx.shape, dtype=np.int64)
+    for d in range(1, 19):
+        digits[idx >= 10 ** d] = d + 1
+    for nd in np.unique(digits).tolist():
+        sel = np.flatnonzero(digits == nd)
+        vals = idx[sel]
+        crc = np.full(sel.shape, crc0, dtype=np.uint32)
+        for k in range(nd - 1, -1, -1):  # most significant digit first, as the key's bytes are
+            byte = (vals // 10 ** k) % 10 + 48
+            crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ byte.astype(np.uint32)) & 0xFF]
+        out[sel] = (crc & 0x3FFF).astype(np.int32)
+    return out
+
+
 class RedisClusterStore(RedisStoreBase):
     """A Redis Cluster (see the module docstring)."""
 
@@ -189,6 +232,13 @@ class RedisClusterStore(RedisStoreBase):
         nodes, slots = self._map()
         served = set(np.unique(slots[slots >= 0]).tolist())
         return [n for i, n in enumerate(nodes) if i in served]
+
+    def slot_table(self) -> tuple[list[str], np.ndarray]:
+        """A snapshot of the slot map: (masters, slot -> index into masters, -1 = not served); read-only."""
+        nodes, slots = self._map()
+        view = slots.view()
+        view.flags.writeable = False
+        return list(nodes), view
 
     def master_of(self, keys: Sequence[bytes]) -> list[str | None]:
         """The master serving each key's slot now (None for a slot no master serves)."""

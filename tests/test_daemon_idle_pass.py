@@ -1,0 +1,258 @@
+"""The daemon's idle pass: ownership without building keys, and no per-key check when nothing was removed.
+
+References are the servers themselves: ``CLUSTER KEYSLOT`` and ``CLUSTER SLOTS`` for ownership,
+``INFO commandstats`` (how many ``EXISTS`` the server executed) for "no per-key check", and ``EXISTS``
+of every owned key for "the dataset is full again" after each fault.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+
+from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
+from cache_daemon.ingest import DatasetState, ingest_pass
+from datacache.config import ConfigError
+from tests.redis_utils import cli, needs_redis, slot_owners
+
+SHORT = 16
+
+
+def exists_calls(port: int) -> int:
+    """``EXISTS`` commands the server has executed (its own count)."""
+    import redis
+
+    stat = redis.Redis(port=port).info("commandstats").get("cmdstat_exists", {})
+    return int(stat.get("calls", 0))
+
+
+class Node:
+    """One daemon's passes in this process (real store, real cluster), with what each pass did."""
+
+    def __init__(self, url: str, root: str, redis_node: str, **kw: object) -> None:
+        from datacache.cacheurl import parse_cache_url
+
+        self.cfg = DaemonConfig(cache=url, node="n0", redis_node=redis_node, ownership="cluster", workers=1,
+                                t1_dir="none", **kw)  # type: ignore[arg-type]
+        self.store = parse_cache_url(url).tiers[-1].open()
+        self.state = DatasetState(DatasetSpec(root, short_side=SHORT))
+
+    def run(self):
+        rep = ingest_pass(self.cfg, self.state, self.store, decoder=None, stop=threading.Event(),
+                          progress=False)
+        assert self.state.status == "full" and not self.state.error, self.state.error
+        return rep
+
+    def owned_keys(self) -> list[bytes]:
+        from datacache.keys import sample_key
+
+        return [sample_key(self.state.fingerprint, self.state.variant_tag, int(i))
+                for i in self.state.owned_cache.indices]  # type: ignore[union-attr]
+
+    def all_present(self, port: int) -> bool:
+        import redis
+
+        r = redis.Redis(port=port)
+        return all(r.exists(k) for k in self.owned_keys())
+
+
+# ------------------------------------------------------------------ slots from indices
+def test_index_key_slots_equal_redis_py_key_slot() -> None:
+    from redis.crc import key_slot
+
+    from datacache.stores.redis_cluster import index_key_slots
+
+    prefix = b"dc:0123456789abcdef:s32m64bilinear-raw:"
+    rng = np.random.default_rng(0)
+    idx = np.concatenate([np.arange(2000), rng.integers(0, 10**7, 5000), [10**9, 2**40, 2**62]])
+    got = index_key_slots(prefix, idx)
+    want = [key_slot(prefix + b"%d" % i) for i in idx.tolist()]
+    assert got.tolist() == want
+    # a prefix with a hash tag takes the general path (only the tag is hashed)
+    tagged = b"dc:{x}:"
+    want = [key_slot(tagged + b"%d" % i) for i in range(50)]
+    assert index_key_slots(tagged, np.arange(50)).tolist() == want
+    with pytest.raises(ValueError, match=">= 0"):
+        index_key_slots(prefix, np.array([3, -1]))
+
+
+@needs_redis
+def test_index_key_slots_equal_the_servers_keyslot(redis_cluster) -> None:
+    from datacache.stores.redis_cluster import index_key_slots
+
+    prefix = b"dc:fedcba9876543210:s16m64bilinear-raw:"
+    idx = np.array([0, 1, 9, 10, 99, 12345, 1281166, 987654321])
+    port = redis_cluster.masters[0].port
+    want = [int(cli(port, "cluster", "keyslot", (prefix + b"%d" % i).decode())) for i in idx.tolist()]
+    assert index_key_slots(prefix, idx).tolist() == want
+
+
+@needs_redis
+def test_owned_indices_are_the_keys_whose_slots_the_node_serves(cluster_url, redis_cluster) -> None:
+    from cache_daemon.ownership import owned_indices
+    from datacache.stores import open_store
+
+    store = open_store(cluster_url)
+    owners = slot_owners(redis_cluster.masters[0].port)  # the servers' own map
+    prefix, n = b"dc:00112233aabbccdd:t:", 3000
+    slot_of = {i: int(cli(redis_cluster.masters[0].port, "cluster", "keyslot", (prefix + b"%d" % i).decode()))
+               for i in range(0, n, 97)}  # a sample checked against the server
+    seen = np.zeros(n, dtype=int)
+    for m in redis_cluster.masters:
+        cfg = DaemonConfig(cache=cluster_url, redis_node=m.addr)
+        own = owned_indices(cfg, store, prefix, n)
+        seen[own.indices] += 1
+        for i, s in slot_of.items():
+            assert (i in set(own.indices.tolist())) == (owners[s] == m.addr)
+        assert owned_indices(cfg, store, prefix, n, own) is own  # same inputs: reused, not recomputed
+        assert owned_indices(cfg, store, prefix + b"x", n, own) is not own
+    assert (seen == 1).all()  # exactly one owner per sample
+
+
+# ------------------------------------------------------------------ the idle shortcut
+@pytest.fixture
+def filled(fresh_cluster, imagefolder_factory):
+    root = imagefolder_factory(classes=3, per_class=20, size=(48, 32))
+    m = fresh_cluster.masters[0]
+    node = Node(fresh_cluster.url, root, m.addr)
+    rep = node.run()
+    assert rep.written > 0 and node.state.done == node.state.owned > 5
+    return fresh_cluster, node, m
+
+
+@needs_redis
+def test_idle_pass_checks_no_key_when_nothing_was_removed(filled, imagefolder_factory) -> None:
+    cluster, node, m = filled
+    before = exists_calls(m.port)
+    for _ in range(3):
+        rep = node.run()
+        assert rep.skipped == node.state.owned and rep.decoded == 0
+    assert exists_calls(m.port) == before  # not one EXISTS: the server says so
+    assert node.state.shortcut_passes == 3 and node.state.done == node.state.owned
+    # another dataset filling the same slots only adds keys: still nothing to check
+    other = Node(cluster.url, imagefolder_factory(classes=2, per_class=15, size=(40, 30)), m.addr)
+    other.run()
+    before = exists_calls(m.port)
+    node.run()
+    assert exists_calls(m.port) == before and node.state.shortcut_passes == 4
+
+
+@needs_redis
+@pytest.mark.parametrize("fault", ["del", "unlink", "expire", "flushall", "restart_empty", "resetstat"])
+def test_any_removal_makes_the_next_pass_check_and_refill(filled, fault) -> None:
+    import time
+
+    import redis
+
+    cluster, node, m = filled
+    node.run()
+    assert node.state.shortcut_passes == 1
+    r = redis.Redis(port=m.port)
+    victim = node.owned_keys()[3]
+    if fault == "del":
+        assert r.delete(victim) == 1
+    elif fault == "unlink":
+        assert r.unlink(victim) == 1
+    elif fault == "expire":
+        assert r.pexpire(victim, 1)
+        deadline = time.monotonic() + 5
+        while r.exists(victim) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    elif fault == "flushall":
+        r.flushall()
+    elif fault == "restart_empty":
+        cluster.restart_empty(0)
+    elif fault == "resetstat":
+        # a removal hidden by zeroed counters: total_commands_processed went down -> a full check
+        assert r.delete(victim) == 1
+        r.config_resetstat()
+    rep = node.run()
+    assert node.state.shortcut_passes == 1  # this pass checked every key
+    assert rep.decoded >= 1
+    assert node.all_present(m.port)  # refilled: the dataset is full again
+    node.run()
+    assert node.state.shortcut_passes == 2  # and trusted again afterwards
+
+
+@needs_redis
+def test_a_removal_path_the_counters_miss_is_caught_by_the_slot_counts(filled, monkeypatch) -> None:
+    import redis
+
+    from cache_daemon import presence
+
+    _, node, m = filled
+    node.run()
+    # pretend DEL were a removal path nobody listed: only the per-slot key counts can notice it
+    monkeypatch.setattr(presence, "REMOVING_COMMANDS", tuple(c for c in presence.REMOVING_COMMANDS
+                                                             if c != "del"))
+    node.run()  # (whether this one is a shortcut depends on earlier DELs: the counter changed meaning)
+    node.run()
+    trusted = node.state.shortcut_passes
+    assert redis.Redis(port=m.port).delete(node.owned_keys()[0]) == 1
+    rep = node.run()
+    assert node.state.shortcut_passes == trusted and rep.decoded == 1 and node.all_present(m.port)
+
+
+@needs_redis
+def test_verify_interval_bounds_how_long_the_shortcut_is_trusted(fresh_cluster, imagefolder_factory) -> None:
+    root = imagefolder_factory(classes=2, per_class=6, size=(48, 32))
+    m = fresh_cluster.masters[0]
+    never = Node(fresh_cluster.url, root, m.addr, verify_interval=0.0)
+    never.run()
+    before = exists_calls(m.port)
+    never.run()
+    assert never.state.shortcut_passes == 0 and exists_calls(m.port) > before
+    short = Node(fresh_cluster.url, root, m.addr, verify_interval=0.2)
+    short.run()
+    short.run()
+    assert short.state.shortcut_passes == 1
+    import time
+
+    time.sleep(0.3)
+    before = exists_calls(m.port)
+    short.run()  # older than verify_interval: every key is checked again
+    assert short.state.shortcut_passes == 1 and exists_calls(m.port) > before
+
+
+@needs_redis
+def test_standalone_redis_has_the_shortcut_too(redis_url, redis_server, imagefolder_factory) -> None:
+    import redis
+
+    from datacache.cacheurl import parse_cache_url
+
+    root = imagefolder_factory(classes=2, per_class=5, size=(48, 32))
+    cfg = DaemonConfig(cache=redis_url, node="n0", ownership="all", workers=1, t1_dir="none")
+    store = parse_cache_url(redis_url).tiers[-1].open()
+    state = DatasetState(DatasetSpec(root, short_side=SHORT))
+    for _ in range(3):
+        ingest_pass(cfg, state, store, decoder=None, stop=threading.Event(), progress=False)
+    assert state.status == "full" and state.shortcut_passes == 2
+    keys = redis.Redis(port=redis_server.port).keys("dc:*")
+    redis.Redis(port=redis_server.port).delete(keys[0])
+    rep = ingest_pass(cfg, state, store, decoder=None, stop=threading.Event(), progress=False)
+    assert state.shortcut_passes == 2 and rep is not None and rep.decoded == 1
+
+
+def test_lmdb_has_no_stamp_and_checks_every_key(imagefolder_factory, tmp_path) -> None:
+    from datacache.cacheurl import parse_cache_url
+
+    root = imagefolder_factory(classes=2, per_class=3, size=(48, 32))
+    url = f"lmdb://{tmp_path}/lmdb"
+    cfg = DaemonConfig(cache=url, node="n0", ownership="all", workers=1, t1_dir="none")
+    store = parse_cache_url(url).tiers[-1].open()
+    state = DatasetState(DatasetSpec(root, short_side=SHORT))
+    try:
+        for _ in range(2):
+            ingest_pass(cfg, state, store, decoder=None, stop=threading.Event(), progress=False)
+        assert state.status == "full" and state.shortcut_passes == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_verify_interval_must_be_finite_and_not_negative(bad: float) -> None:
+    with pytest.raises(ConfigError, match=r"verify_interval.*0 = check every key"):
+        DaemonConfig(cache="lmdb:///tmp/x", verify_interval=bad)
