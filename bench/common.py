@@ -143,7 +143,10 @@ def proc_cpu_seconds(pid: int, *, reaped_children: bool = True) -> float:
 
 def proc_memory(pid: int) -> dict[str, int]:
     """Resident memory of ``pid`` in bytes from ``/proc/<pid>/status``: ``rss`` (VmRSS), ``peak``
-    (VmHWM), ``anon`` (RssAnon), ``file`` (RssFile), ``shmem`` (RssShmem); {} when it is gone."""
+    (VmHWM), ``anon`` (RssAnon), ``file`` (RssFile), ``shmem`` (RssShmem); and from
+    ``/proc/<pid>/smaps_rollup`` (when readable) ``uss`` (Private_Clean + Private_Dirty: what this
+    process alone holds -- pages shared with its parent after a fork, or shared memory, are not in it)
+    and ``pss`` (shared pages divided among their sharers); {} when it is gone."""
     names = {"VmRSS": "rss", "VmHWM": "peak", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
     out: dict[str, int] = {}
     try:
@@ -154,6 +157,14 @@ def proc_memory(pid: int) -> dict[str, int]:
                     out[names[key]] = int(rest.split()[0]) * 1024  # kB
     except OSError:
         return {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            roll = {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in f) if v.strip()
+                    and v.split()[0].isdigit()}
+        out["uss"] = roll.get("Private_Clean", 0) + roll.get("Private_Dirty", 0)
+        out["pss"] = roll.get("Pss", 0)
+    except (OSError, ValueError):
+        pass
     return out
 
 
