@@ -13,7 +13,9 @@ processes, measured side by side in one run:
   ``device_id=None``) when ``nvidia-dali-cuda120`` is installed; otherwise reported as not
   installed with ``warm_vs_dali = null``.
 * ``datacache_cold``: CachedImageNet epoch 1 on an empty LMDB cache (read + decode + write).
-* ``datacache_warm``: epochs 2-3 (LMDB hits + batched RRC/flip in the workers).
+* ``datacache_warm``: epochs 2-3 (LMDB hits + batched RRC/flip in the workers, each batch built in a
+  shared buffer the worker reuses once the main process has dropped it: :mod:`client.batch_pool`;
+  the copy ceilings below reuse theirs the same way).
 * ``copy_ceiling``: the same DataLoader over the warm cache, but the collate only copies a
   128x128 window of each cached record into the same ``[256, 3, 128, 128]`` batch (no resize,
   no flip): the strict data-path ceiling that ``warm_vs_copy_ceiling`` compares with.
@@ -58,7 +60,8 @@ from tqdm import tqdm
 
 from bench.common import RESULTS_DIR, bar_chart, machine_info, print_machine, write_results
 from bench.loader_profile import profile_stages
-from client.augment import AugmentCollate, _new_batch, rrc_params
+from client.augment import AugmentCollate, batch_view, rrc_params
+from client.batch_pool import BatchPool, PooledBatch
 from client.dataset import CachedImageNet
 from datacache import synth
 from datacache.config import user_cache_dir
@@ -114,31 +117,35 @@ def copy_windows(images: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
 
 class CopyCollate:
     """Copy-only ceiling: a SIZE x SIZE window of every cached record straight into the batch
-    (the same shared-memory channels_last batch as AugmentCollate, no resize, no flip)."""
+    (the same shared-memory channels_last batch as AugmentCollate, reused the same way -- a ceiling must
+    not pay costs the measured pipeline does not -- no resize, no flip)."""
+
+    def __init__(self, reuse_buffers: int = 4) -> None:
+        self.pool = BatchPool(reuse_buffers)
 
     def __call__(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = copy_windows([img for img, _ in batch], _new_batch(len(batch), SIZE))
-        return out, torch.tensor([lab for _, lab in batch], dtype=torch.int64)
+        flat, ticket = self.pool.take(len(batch) * 3 * SIZE * SIZE)
+        out = copy_windows([img for img, _ in batch], batch_view(flat, len(batch), SIZE))
+        return PooledBatch((out, torch.tensor([lab for _, lab in batch], dtype=torch.int64)), ticket)
 
 
 class CopyRecordsCollate:
     """Looser ceiling: every whole cached record copied back to back into one packed uint8 batch
     (shared memory in a worker) plus its shapes; returned as ``(flat uint8, shapes [B, 3], labels)``."""
 
+    def __init__(self, reuse_buffers: int = 4) -> None:
+        self.pool = BatchPool(reuse_buffers)  # reused like AugmentCollate's (a fair ceiling)
+
     def __call__(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, ...]:
         total = sum(int(img.numel()) for img, _ in batch)
-        if torch.utils.data.get_worker_info() is not None:
-            flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total), 0,
-                                                          (total,), (1,))
-        else:
-            flat = torch.empty(total, dtype=torch.uint8)
+        flat, ticket = self.pool.take(total)
         off = 0
         for img, _ in batch:
             n = int(img.numel())
             flat[off:off + n].view(img.shape[1], img.shape[2], 3).copy_(img.permute(1, 2, 0))
             off += n
         shapes = torch.tensor([[int(img.shape[1]), int(img.shape[2]), 3] for img, _ in batch])
-        return flat, shapes, torch.tensor([lab for _, lab in batch], dtype=torch.int64)
+        return PooledBatch((flat, shapes, torch.tensor([lab for _, lab in batch], dtype=torch.int64)), ticket)
 
 
 def ensure_dataset(n_images: int, classes: int = 20) -> str:

@@ -183,9 +183,7 @@ def shared_uint8(numel: int) -> torch.Tensor:
 def _new_batch(n: int, size: int) -> torch.Tensor:
     """Allocate the ``uint8 [n, 3, size, size]`` channels_last output batch (shared memory in a
     DataLoader worker, :func:`shared_uint8`)."""
-    flat = shared_uint8(n * 3 * size * size)
-    # memory order N, H, W, C == channels_last strides for the logical N, C, H, W shape
-    return flat.view(n, size, size, 3).permute(0, 3, 1, 2)
+    return batch_view(shared_uint8(n * 3 * size * size), n, size)
 
 
 def resize_crops(images: Sequence[torch.Tensor], boxes: list[tuple[int, int, int, int]],
@@ -211,6 +209,11 @@ def resize_crops(images: Sequence[torch.Tensor], boxes: list[tuple[int, int, int
             # and none of F.interpolate's Python argument checking per call. (The kernel itself
             # copies a crop narrower than its record into a contiguous buffer first: a small
             # share of its time in `perf`; the separable passes dominate. Figures: bench/results/NOTES.md.)
+            if top == 0 and left == 0 and crop.is_contiguous():
+                # A whole contiguous CHW image (not a cache record, which is an HWC view) trips an
+                # internal assert of these kernels with a channels_last out= (torch 2.13): give it
+                # channels_last too (one copy, only for this rare case; tests/test_batch_pool.py).
+                crop = crop.contiguous(memory_format=torch.channels_last)
             (_AA if antialias else _NOAA)(crop, (size, size), False, None, out=slots[k])
         else:  # pragma: no cover - torch builds without these private entry points
             out[k] = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=antialias,
@@ -243,22 +246,31 @@ def _resize_grid(images: Sequence[torch.Tensor], boxes: list[tuple[int, int, int
     return res.round_().clamp_(0, 255).to(torch.uint8)
 
 
+def batch_view(flat: torch.Tensor, n: int, size: int) -> torch.Tensor:
+    """``flat`` (``n * 3 * size * size`` uint8 bytes) as a channels_last ``uint8 [n, 3, size, size]``."""
+    # memory order N, H, W, C == channels_last strides for the logical N, C, H, W shape
+    return flat[: n * 3 * size * size].view(n, size, size, 3).permute(0, 3, 1, 2)
+
+
 def random_resized_crop_flip(images: Sequence[torch.Tensor], size: int, *,
                              generator: torch.Generator | None = None,
                              scale: tuple[float, float] = (0.08, 1.0),
                              ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                             flip_p: float = 0.5, method: str = "interpolate") -> torch.Tensor:
+                             flip_p: float = 0.5, method: str = "interpolate",
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Crop, resize to ``size x size`` and randomly flip each image; return ``uint8 [B, 3, S, S]``.
 
     Deterministic given ``generator`` (the global torch RNG when None). ``images`` may have
-    different heights and widths. ``method`` is one of :data:`METHODS`.
+    different heights and widths. ``method`` is one of :data:`METHODS`. ``out``: a channels_last
+    ``uint8 [B, 3, S, S]`` batch to write into (``"interpolate"`` only; e.g. :func:`batch_view` of a
+    pooled buffer).
     """
     _check_method(method)
     check_images(images)
     boxes, flips = draw_crops(images, generator, scale, ratio, flip_p)
     if method == "grid":
         return _resize_grid(images, boxes, flips, size)
-    return resize_crops(images, boxes, flips, size)
+    return resize_crops(images, boxes, flips, size, out=out)
 
 
 def _check_range(name: str, pair: tuple[float, float]) -> tuple[float, float]:
@@ -341,23 +353,49 @@ class AugmentCollate(SeededCollate):
     Runs inside DataLoader workers (it is a small picklable object, fine for spawn), so the
     crop/resize work is spread across them (randomness: :class:`SeededCollate`). The trainer
     uses :class:`client.crop.CropCollate` instead, which leaves the resize to the device.
+
+    ``reuse_buffers`` (default 4): shared-memory batch buffers each worker reuses once the main
+    process holds no reference to them (:mod:`client.batch_pool`: safe whatever the consumer keeps;
+    0 = a fresh buffer per batch, e.g. when batches are handed on to another process).
+    :meth:`buffer_stats` counts batches built in fresh and in reused buffers.
     """
 
     def __init__(self, size: int, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
-                 method: str = "interpolate") -> None:
+                 method: str = "interpolate", reuse_buffers: int = 4) -> None:
+        from client.batch_pool import BatchPool
+
         _check_method(method)
         super().__init__(seed=seed, scale=scale, ratio=ratio, flip_p=flip_p)
         self.size = int(size)
         self.method = method
+        try:
+            self.pool = BatchPool(reuse_buffers if method == "interpolate" else 0)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def buffer_stats(self) -> dict[str, int]:
+        return self.pool.stats()
 
     def __call__(self, data: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from client.batch_pool import PooledBatch
+
         _, batch, generator = self.unpack(data)
         images = [item[0] for item in batch]
+        check_images(images)  # before a pooled buffer is taken: a refused batch holds no slot
         labels = torch.tensor([int(item[1]) for item in batch], dtype=torch.int64)
-        out = random_resized_crop_flip(images, self.size, generator=generator, scale=self.scale,
-                                       ratio=self.ratio, flip_p=self.flip_p, method=self.method)
-        return out, labels
+        ticket = None
+        out = None
+        if self.method == "interpolate":
+            flat, ticket = self.pool.take(len(images) * 3 * self.size * self.size)
+            out = batch_view(flat, len(images), self.size)
+        try:
+            out = random_resized_crop_flip(images, self.size, generator=generator, scale=self.scale,
+                                           ratio=self.ratio, flip_p=self.flip_p, method=self.method, out=out)
+        except BaseException:
+            self.pool.give_back(ticket)  # nothing was sent: the slot is this worker's again
+            raise
+        return PooledBatch((out, labels), ticket)
 
 
 def _measure() -> None:  # pragma: no cover - manual measurement helper
