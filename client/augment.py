@@ -307,7 +307,14 @@ class SeededCollate:
     """
 
     def __init__(self, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5) -> None:
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
+                 reuse_buffers: int = 4) -> None:
+        from client.batch_pool import BatchPool
+
+        try:  # shared batch buffers each worker reuses (client.batch_pool); 0 = a fresh one per batch
+            self.pool = BatchPool(reuse_buffers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.seed = seed
         self.scale = _check_range("scale", scale)
         self.ratio = _check_range("ratio", ratio)
@@ -322,6 +329,10 @@ class SeededCollate:
         state["_gen"] = None  # a fresh generator per process (fork/spawn boundary)
         state["_gen_key"] = None
         return state
+
+    def buffer_stats(self) -> dict[str, int]:
+        """Batches built in fresh and in reused shared buffers, all workers (:mod:`client.batch_pool`)."""
+        return self.pool.stats()
 
     def unpack(self, data: Any) -> tuple[Any, Sequence[tuple[torch.Tensor, int]], torch.Generator | None]:
         """``(request or None, samples, generator)`` for a plain list of samples or a
@@ -363,19 +374,14 @@ class AugmentCollate(SeededCollate):
     def __init__(self, size: int, *, seed: int | None = None, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
                  method: str = "interpolate", reuse_buffers: int = 4) -> None:
-        from client.batch_pool import BatchPool
-
         _check_method(method)
-        super().__init__(seed=seed, scale=scale, ratio=ratio, flip_p=flip_p)
+        if int(reuse_buffers) < 0:
+            raise ConfigError(f"reuse_buffers must be >= 0 (0 = a fresh buffer per batch), "
+                              f"got {reuse_buffers}")
+        super().__init__(seed=seed, scale=scale, ratio=ratio, flip_p=flip_p,
+                         reuse_buffers=reuse_buffers if method == "interpolate" else 0)  # grid: own tensor
         self.size = int(size)
         self.method = method
-        try:
-            self.pool = BatchPool(reuse_buffers if method == "interpolate" else 0)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def buffer_stats(self) -> dict[str, int]:
-        return self.pool.stats()
 
     def __call__(self, data: Any) -> tuple[torch.Tensor, torch.Tensor]:
         from client.batch_pool import PooledBatch

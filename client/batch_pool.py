@@ -62,18 +62,26 @@ class WorkerRing:
 
     def take(self, numel: int) -> tuple[torch.Tensor, int, bool] | None:
         """``(flat uint8 view of numel bytes, slot, reused)`` from a FREE slot (now BUSY), or None when
-        every slot is held by the main process."""
-        for s in range(self.slots):
-            if self._flags[s] != FREE:
-                continue
-            buf = self.buffers[s]
-            reused = buf is not None and buf.numel() >= numel
-            if not reused:
-                buf = self.buffers[s] = _shared_flat(numel)
-            self._flags[s] = BUSY  # before the batch is filled and sent: only the main process frees it
-            assert buf is not None
-            return buf[:numel], s, reused
-        return None
+        every slot is held by the main process. A free buffer large enough is reused; otherwise the
+        free slot with the smallest buffer gets a new one -- exactly ``numel`` the first time, with 25 %
+        headroom when it replaces a smaller one (batches of varying size, e.g. packed crop windows)."""
+        free = [s for s in range(self.slots) if self._flags[s] == FREE]
+        if not free:
+            return None
+        fits = [s for s in free if self.buffers[s] is not None and self.buffers[s].numel() >= numel]  # type: ignore[union-attr]
+        if fits:
+            s = min(fits, key=lambda k: self.buffers[k].numel())  # type: ignore[union-attr]
+            reused = True
+        else:
+            s = min(free, key=lambda k: -1 if self.buffers[k] is None else self.buffers[k].numel())  # type: ignore[union-attr]
+            grow = self.buffers[s] is not None
+            size = -(-(numel + numel // 4) // 65536) * 65536 if grow else numel
+            self.buffers[s] = _shared_flat(size)
+            reused = False
+        self._flags[s] = BUSY  # before the batch is filled and sent: only the main process frees it
+        buf = self.buffers[s]
+        assert buf is not None
+        return buf[:numel], s, reused
 
 
 _RINGS: dict[tuple[int, int], WorkerRing] = {}  # (pid, slots) -> ring: per worker process (fork boundary)
@@ -178,10 +186,16 @@ class _Registry:
 REGISTRY = _Registry()
 
 
-def _arrived(items: tuple[Any, ...], flags: torch.Tensor | None, slot: int) -> tuple[Any, ...]:
-    """Unpickling a :class:`PooledBatch` (main process): register its buffer (if pooled), give back
-    the buffers no longer referenced."""
+def arrived(buffer: torch.Tensor, flags: torch.Tensor | None, slot: int) -> None:
+    """A batch from a worker was unpickled here (main process): register its pooled ``buffer`` (when
+    ``flags`` is given) and give back the buffers no longer referenced. Every batch type that uses a
+    :class:`BatchPool` calls this from its unpickling (:class:`PooledBatch`, ``client.crop.CropBatch``)."""
     if flags is not None:
-        REGISTRY.add(items[0].untyped_storage(), flags, slot)
+        REGISTRY.add(buffer.untyped_storage(), flags, slot)
     REGISTRY.poll()
+
+
+def _arrived(items: tuple[Any, ...], flags: torch.Tensor | None, slot: int) -> tuple[Any, ...]:
+    """Unpickling a :class:`PooledBatch`: a plain tuple again (its first item is the pooled buffer)."""
+    arrived(items[0], flags, slot)
     return items

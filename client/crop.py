@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -125,6 +125,15 @@ class CropBatch:
     size: int = 0
     epoch: int = -1
     step: int = -1
+    # a worker's pooled buffer (client.batch_pool): travels with the batch, None once it has arrived
+    ticket: Any = field(default=None, repr=False, compare=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Process boundary: every batch from a worker arrives through _crop_batch_arrived, which
+        # registers a pooled buffer and gives back the ones the main process dropped (batch_pool).
+        flags, slot = self.ticket if self.ticket is not None else (None, -1)
+        return (_crop_batch_arrived, (self.pixels, self.meta, self.hmax, self.wmax, self.size, self.epoch,
+                                      self.step, flags, slot))
 
     def __len__(self) -> int:
         return int(self.meta.shape[0])
@@ -200,6 +209,14 @@ class CropBatch:
                        meta=self.meta.to(device, non_blocking=non_blocking))
 
 
+def _crop_batch_arrived(pixels: Tensor, meta: Tensor, hmax: int, wmax: int, size: int, epoch: int, step: int,
+                        flags: Tensor | None, slot: int) -> CropBatch:
+    from client.batch_pool import arrived
+
+    arrived(pixels, flags, slot)
+    return CropBatch(pixels, meta, hmax, wmax, size, epoch, step)
+
+
 Box = tuple[float, float, float, float]
 
 
@@ -220,24 +237,35 @@ def _meta(windows: Sequence[tuple[int, int, int, int]], boxes: Sequence[Box] | N
     return torch.from_numpy(meta)
 
 
-def pack_windows(images: Sequence[Tensor], windows: Sequence[tuple[int, int, int, int]]) -> tuple[
-        Tensor, np.ndarray]:
+def pack_windows(images: Sequence[Tensor], windows: Sequence[tuple[int, int, int, int]],
+                 pool: Any = None) -> tuple[Tensor, np.ndarray] | tuple[Tensor, np.ndarray, Any]:
     """Copy window ``(top, left, h, w)`` of each uint8 CHW image, HWC, back to back into one buffer.
 
-    Returns ``(pixels uint8 [N], offsets int64 [B])``. The buffer is in shared memory inside a
-    DataLoader worker (:func:`client.augment.shared_uint8`). Images that are views of HWC memory
+    Returns ``(pixels uint8 [N], offsets int64 [B])`` -- and the buffer's ticket as a third item when
+    ``pool`` (a :class:`~client.batch_pool.BatchPool`) gave the buffer. The buffer is in shared memory
+    inside a DataLoader worker (:func:`client.augment.shared_uint8`, or the pool's reused buffers).
+    Images that are views of HWC memory
     (CachedImageNet's records) copy one contiguous run per row. The copies go through numpy views
     of the same memory: measured several times faster than torch indexing, whose per-call
     overhead dominated (bench/results/NOTES.md#crop).
     """
     sizes = np.array([h * w * 3 for _, _, h, w in windows], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sizes) else sizes
-    pixels = shared_uint8(int(sizes.sum()))
+    ticket = None
+    if pool is None:
+        pixels = shared_uint8(int(sizes.sum()))
+    else:
+        pixels, ticket = pool.take(int(sizes.sum()))
     dst = pixels.numpy()  # a view: writes land in the (shared) tensor
-    for img, (top, left, h, w), off in zip(images, windows, offsets.tolist()):
-        src = img.numpy().transpose(1, 2, 0)  # HWC view of the record
-        dst[off:off + h * w * 3].reshape(h, w, 3)[...] = src[top:top + h, left:left + w]
-    return pixels, offsets
+    try:
+        for img, (top, left, h, w), off in zip(images, windows, offsets.tolist()):
+            src = img.numpy().transpose(1, 2, 0)  # HWC view of the record
+            dst[off:off + h * w * 3].reshape(h, w, 3)[...] = src[top:top + h, left:left + w]
+    except BaseException:
+        if pool is not None:
+            pool.give_back(ticket)  # never sent: the slot is the worker's again
+        raise
+    return (pixels, offsets) if pool is None else (pixels, offsets, ticket)
 
 
 Window = tuple[int, int, int, int]
@@ -245,12 +273,16 @@ Window = tuple[int, int, int, int]
 
 def _batch(images: Sequence[Tensor], windows: Sequence[Window], boxes: Sequence[Box] | None,
            flips: Sequence[bool] | None, samples: Sequence[tuple[Tensor, int]], size: int,
-           request: BatchRequest | None) -> CropBatch:
-    pixels, offsets = pack_windows(images, windows)
+           request: BatchRequest | None, pool: Any = None) -> CropBatch:
+    if pool is None:
+        pixels, offsets = pack_windows(images, windows)
+        ticket = None
+    else:
+        pixels, offsets, ticket = pack_windows(images, windows, pool)  # type: ignore[misc]
     meta = _meta(windows, boxes, flips, samples, offsets)
     hmax = max(w[2] for w in windows)
     wmax = max(w[3] for w in windows)
-    return CropBatch(pixels, meta, hmax, wmax, size, *_place(request))
+    return CropBatch(pixels, meta, hmax, wmax, size, *_place(request), ticket=ticket)
 
 
 def _place(request: BatchRequest | None) -> tuple[int, int]:
@@ -270,7 +302,7 @@ class CropCollate(SeededCollate):
         images = [s[0] for s in samples]
         check_images(images, "CropCollate")
         windows, flips = draw_crops(images, generator, self.scale, self.ratio, self.flip_p)
-        return _batch(images, windows, None, flips, samples, 0, request)  # box = the whole window
+        return _batch(images, windows, None, flips, samples, 0, request, self.pool)  # box = the whole window
 
 
 def resized_size(h: int, w: int, short: int) -> tuple[int, int]:

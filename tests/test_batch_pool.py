@@ -121,3 +121,28 @@ def test_whole_contiguous_chw_images_resize_like_interpolate(shape: tuple[int, i
     want = F.interpolate(img[None], size=(SIZE, SIZE), mode="bilinear", antialias=shape[1] > SIZE,
                          align_corners=False)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("keep_all", [False, True])
+def test_the_trainers_crop_batches_reuse_buffers_safely_too(keep_all: bool) -> None:
+    from client.crop import CropBatch, CropCollate
+
+    def run(reuse: int, keep: bool) -> tuple[list[CropBatch], CropCollate]:
+        collate = CropCollate(seed=3, reuse_buffers=reuse)
+        dl = DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=2, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(1), persistent_workers=True)
+        out: list[CropBatch] = []
+        for _ in range(2):
+            for b in dl:
+                assert isinstance(b, CropBatch) and b.ticket is None  # arrived: nothing to give back
+                out.append(b if keep else CropBatch(b.pixels.clone(), b.meta.clone(), b.hmax, b.wmax))
+                del b
+        return out, collate
+
+    want, _ = run(0, False)
+    got, collate = run(2, keep_all)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a.pixels, b.pixels) and torch.equal(a.meta, b.meta)
+    st = collate.buffer_stats()
+    assert st["reused"] == 0 if keep_all else st["reused"] > len(want) // 2, st
