@@ -26,7 +26,8 @@ examples:
 
 Config keys (TOML, or DATACACHE_DAEMON_<KEY> in the environment): cache, node, redis_node, ownership
 (cluster|hash|all), rank, world_size, workers, decoder (pillow|dali), memory_budget, http_host, http_port,
-poll_interval, t1_dir, t1_max_bytes, pass_timeout, drain_timeout, api_token / api_token_file,
+poll_interval, t1_dir, t1_max_bytes, pass_timeout, drain_timeout, verify_interval (seconds an idle pass
+trusts "nothing was removed" without checking every key; 0 = always check), api_token / api_token_file,
 allowed_sources (URL prefixes POST /datasets may register; comma-separated in the environment),
 max_registrations, and [[datasets]] tables (source, short_side 1..2048, encoding, revalidate).
 """

@@ -244,8 +244,8 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 _KINDS = {"cache": str, "node": str, "redis_node": str, "ownership": str, "rank": int, "world_size": int,
           "workers": int, "decoder": str, "memory_budget": "bytes", "http_host": str, "http_port": int,
           "poll_interval": float, "t1_dir": str, "t1_max_bytes": "bytes", "pass_timeout": float,
-          "drain_timeout": float, "api_token": str, "api_token_file": str, "allowed_sources": "list",
-          "max_registrations": int}
+          "drain_timeout": float, "verify_interval": float, "api_token": str, "api_token_file": str,
+          "allowed_sources": "list", "max_registrations": int}
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:

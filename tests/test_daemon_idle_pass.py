@@ -256,3 +256,17 @@ def test_lmdb_has_no_stamp_and_checks_every_key(imagefolder_factory, tmp_path) -
 def test_verify_interval_must_be_finite_and_not_negative(bad: float) -> None:
     with pytest.raises(ConfigError, match=r"verify_interval.*0 = check every key"):
         DaemonConfig(cache="lmdb:///tmp/x", verify_interval=bad)
+
+
+def test_every_config_field_can_be_set_in_toml_and_the_environment(tmp_path) -> None:
+    # a new DaemonConfig field must also be a TOML key (deploy/daemon.toml sets verify_interval)
+    from dataclasses import fields
+
+    from cache_daemon.daemon_config import _KINDS, load_config
+
+    assert {f.name for f in fields(DaemonConfig)} - {"datasets"} == set(_KINDS)
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(f'cache = "lmdb://{tmp_path}/c"\nverify_interval = 30\n')
+    assert load_config(str(cfg), env={}).verify_interval == 30.0
+    env = {"DATACACHE_DAEMON_VERIFY_INTERVAL": "0"}
+    assert load_config(str(cfg), env=env).verify_interval == 0.0
