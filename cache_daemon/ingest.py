@@ -69,6 +69,7 @@ class DatasetState:
     error: str = ""
     quarantined: dict[str, str] = field(default_factory=dict)
     variant_tag: str = ""  # the tag filled (its decoder family is the daemon decoder's), set by a pass
+    manifest: Manifest | None = field(default=None, repr=False)  # the last pass's (revalidated next pass)
     owned_cache: Owned | None = field(default=None, repr=False)  # the last pass's ownership answer
     # (stamp, prefix, ownership digest, monotonic time) of the last pass that found nothing missing
     verified: tuple[Stamp, bytes, bytes, float] | None = field(default=None, repr=False)
@@ -133,8 +134,10 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
     spec = parse_cache_url(cfg.cache)
     try:
         state.status = "listing"
+        # the previous pass's manifest is revalidated in memory: no re-read of the persisted copy
         man = Manifest.build(state.spec.source, persist_dir=manifest_dir_for(spec),
-                             revalidate=state.spec.revalidate)
+                             revalidate=state.spec.revalidate, reuse=state.manifest)
+        state.manifest = man
         variant = variant_for(state.spec.variant(), decoder)  # the decoder's family: keys never mix
         state.variant_tag = variant.tag()
         reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,

@@ -235,3 +235,109 @@ def test_listing_charges_one_request_per_directory_and_lists_concurrently(imagef
     # requests do not grow with the number of files (a listing returns sizes and mtimes in bulk)
     assert counts[0]["requests"] == counts[1]["requests"] and counts[1]["listings"] == 1 + 6
     assert counts[1]["max_concurrent_listings"] > 1  # class folders were listed concurrently
+
+
+def _age_tree(root: str, seconds: float) -> None:
+    """Every directory's mtime set ``seconds`` into the past (a dataset written long before it is listed)."""
+    t = time.time() - seconds
+    for d, _, _ in os.walk(root):
+        os.utime(d, (t, t))
+
+
+def test_settled_directories_cost_one_stat_and_still_catch_changes(imagefolder_factory, tmp_path) -> None:
+    root = imagefolder_factory(classes=3, per_class=4, size=(16, 12))
+    _age_tree(root, 3600)
+    url = f"slowfile://{root}?latency_ms=0&mbps=0"
+    pdir = str(tmp_path / "p")
+    m1 = Manifest.build(url, persist_dir=pdir)
+    assert m1.listed_at > 0 and Manifest.load(Manifest.persist_path(pdir, m1.root)).listed_at == m1.listed_at
+    slowfs.reset_counters()
+    assert Manifest.build(url, persist_dir=pdir).fingerprint == m1.fingerprint
+    assert slowfs.COUNTERS["listings"] == 0  # every directory settled: a stat each, no name listing
+    # a file added to a settled directory changes its mtime: caught by the stat alone
+    shutil.copyfile(os.path.join(root, "c001", "00000.JPEG"), os.path.join(root, "c001", "new.JPEG"))
+    slowfs.reset_counters()
+    m2 = Manifest.build(url, persist_dir=pdir)
+    assert "c001/new.JPEG" in m2.paths
+    # documented limit (as for in-place rewrites): an entry change whose directory keeps its old mtime
+    _age_tree(root, 3600)
+    m3 = Manifest.build(url, persist_dir=pdir)  # re-listed (the mtimes moved), settled again
+    st = os.stat(os.path.join(root, "c002"))
+    os.remove(os.path.join(root, "c002", "00003.JPEG"))
+    os.utime(os.path.join(root, "c002"), (st.st_atime, st.st_mtime))
+    assert Manifest.build(url, persist_dir=pdir).fingerprint == m3.fingerprint  # "dirs" cannot see it
+    assert "c002/00003.JPEG" not in Manifest.build(url, persist_dir=pdir, revalidate="full").paths
+
+
+def test_racy_directories_are_counted_then_settle(imagefolder_factory, tmp_path, monkeypatch) -> None:
+    from datacache import listing
+
+    root = imagefolder_factory(classes=2, per_class=3, size=(16, 12))  # written just now: racy
+    url = f"slowfile://{root}?latency_ms=0&mbps=0"
+    pdir = str(tmp_path / "p")
+    m1 = Manifest.build(url, persist_dir=pdir)
+    # a change in the same timestamp tick as the listing: the entry set changes, the mtime does not
+    victim = os.path.join(root, "c000")
+    st = os.stat(victim)
+    shutil.copyfile(os.path.join(victim, "00000.JPEG"), os.path.join(victim, "same-tick.JPEG"))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    slowfs.reset_counters()
+    m2 = Manifest.build(url, persist_dir=pdir)
+    assert "c000/same-tick.JPEG" in m2.paths and m2.fingerprint != m1.fingerprint  # counted: caught
+    # unchanged racy directories are counted once, then the persisted copy records them as settled
+    monkeypatch.setattr(listing, "RACY_MARGIN_S", 0.05)
+    time.sleep(0.1)
+    slowfs.reset_counters()
+    m3 = Manifest.build(url, persist_dir=pdir)
+    assert m3.fingerprint == m2.fingerprint and slowfs.COUNTERS["listings"] == len(m3.dirstate)
+    assert Manifest.load(Manifest.persist_path(pdir, m3.root)).listed_at == m3.listed_at > m2.listed_at
+    slowfs.reset_counters()
+    assert Manifest.build(url, persist_dir=pdir).fingerprint == m3.fingerprint
+    assert slowfs.COUNTERS["listings"] == 0
+
+
+def test_a_manifest_saved_without_listed_at_still_revalidates(imagefolder_factory, tmp_path) -> None:
+    import msgpack
+
+    root = imagefolder_factory(classes=2, per_class=3, size=(16, 12))
+    _age_tree(root, 3600)
+    pdir = str(tmp_path / "p")
+    m1 = Manifest.build(root, persist_dir=pdir)
+    path = Manifest.persist_path(pdir, m1.root)
+    with open(path, "rb") as f:
+        d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+    del d["listed_at"]  # what an older datacache wrote
+    with open(path, "wb") as f:
+        f.write(msgpack.packb(d, use_bin_type=True))
+    assert Manifest.load(path).listed_at == 0.0 and Manifest.load(path).fingerprint == m1.fingerprint
+    slowfs.reset_counters()
+    url_root = root
+    assert Manifest.build(url_root, persist_dir=pdir).fingerprint == m1.fingerprint  # counted, valid
+    os.remove(os.path.join(root, "c001", "00001.JPEG"))
+    assert "c001/00001.JPEG" not in Manifest.build(url_root, persist_dir=pdir).paths
+
+
+def test_reuse_revalidates_the_copy_in_memory_without_reading_the_file(imagefolder_factory, tmp_path,
+                                                                      monkeypatch) -> None:
+    root = imagefolder_factory(classes=2, per_class=3, size=(16, 12))
+    _age_tree(root, 3600)
+    pdir = str(tmp_path / "p")
+    m1 = Manifest.build(root, persist_dir=pdir)
+    monkeypatch.setattr(Manifest, "load", classmethod(lambda cls, p: pytest.fail("read the file")))
+    assert Manifest.build(root, persist_dir=pdir, reuse=m1) is m1
+    shutil.copyfile(os.path.join(root, "c000", "00000.JPEG"), os.path.join(root, "c000", "x.JPEG"))
+    m2 = Manifest.build(root, persist_dir=pdir, reuse=m1)  # changed: listed again
+    assert m2 is not m1 and "c000/x.JPEG" in m2.paths
+    other = imagefolder_factory(classes=1, per_class=2, size=(16, 12))
+    assert Manifest.build(other, reuse=m1).root != m1.root  # another source's copy is not used
+
+
+def test_saved_file_is_plain_msgpack_with_the_same_fields(imagefolder_factory, tmp_path) -> None:
+    import msgpack
+
+    m = Manifest.build(imagefolder_factory(classes=2, per_class=3, size=(16, 12)))
+    path = str(tmp_path / "m.msgpack")
+    m.save(path)
+    with open(path, "rb") as f:
+        d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)  # an independent reader
+    assert d == m.to_dict()
