@@ -28,6 +28,7 @@ a record is never half written and never written twice under one key.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -44,6 +45,7 @@ from datacache.cacheurl import parse_cache_url
 from datacache.decodepool import DecodePool, WorkerLost
 from datacache.fillstatus import report_fill
 from datacache.manifest import Manifest
+from datacache.quarantine_summary import QuarantineSummary
 from datacache.readthrough import ReadThrough, manifest_dir_for
 from datacache.warm import WarmReport, fill_missing, missing_in
 
@@ -67,7 +69,7 @@ class DatasetState:
     rate: float = 0.0
     passes: int = 0
     error: str = ""
-    quarantined: dict[str, str] = field(default_factory=dict)
+    quarantined: QuarantineSummary = field(default_factory=QuarantineSummary)  # bounded, whatever the count
     variant_tag: str = ""  # the tag filled (its decoder family is the daemon decoder's), set by a pass
     manifest: Manifest | None = field(default=None, repr=False)  # the last pass's (revalidated next pass)
     owned_cache: Owned | None = field(default=None, repr=False)  # the last pass's ownership answer
@@ -87,7 +89,8 @@ class DatasetState:
                 "bytes_read": self.bytes_read, "write_errors": self.write_errors, "passes": self.passes,
                 "error": self.error, "shortcut_passes": self.shortcut_passes,
                 "quarantined_count": len(self.quarantined),
-                "quarantined": dict(sorted(self.quarantined.items())[:100])}
+                "quarantined_by_reason": dict(self.quarantined.by_reason),
+                "quarantined": dict(self.quarantined.examples)}  # the first few, with their reasons
 
 
 class _Stop:
@@ -161,11 +164,14 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
             watch.work(len(mine))
         halt = _Stop(stop)
         last = [0.0]
+        seen_q = [0]  # entries of the fill report's quarantine already added to the summary
         t0 = time.monotonic()
 
         def on_chunk(rep: WarmReport) -> None:
             state.decoded, state.bytes_read = base_decoded + rep.decoded, base_bytes + rep.bytes_read
-            state.quarantined.update(rep.quarantined)
+            if len(rep.quarantined) > seen_q[0]:  # only the new ones (the report's dict only grows)
+                state.quarantined.add(dict(itertools.islice(rep.quarantined.items(), seen_q[0], None)))
+                seen_q[0] = len(rep.quarantined)
             state.done = rep.skipped + rep.written + len(rep.quarantined)
             state.rate = (rep.decoded + len(rep.quarantined)) / max(1e-6, time.monotonic() - t0)
             used, budget = node_memory(cfg, store)  # one INFO per written chunk
@@ -187,7 +193,7 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
                                on_chunk=on_chunk, store=store, store_spec=spec.tiers[-1], pool=pool,
                                desc=f"{cfg.node} {variant.tag()}")
             state.write_errors += rep.write_errors
-            state.quarantined.update(rep.quarantined)
+            state.quarantined.add(rep.quarantined)
         # nothing was missing when the fill looked: no second round trip (a full dataset's pass is cheap)
         missing = [] if rep is not None and rep.skipped == len(mine) else missing_in(reader, store, mine)
         used, budget = node_memory(cfg, store)

@@ -40,11 +40,13 @@ from datacache.config import Variant, default_cache_url
 from datacache.decodepool import DecodePool
 from datacache.fill import Decoder, fill_one
 from datacache.manifest import Manifest
+from datacache.quarantine_summary import QuarantineSummary
 from datacache.readthrough import ReadThrough, manifest_dir_for
 
 log = logging.getLogger("datacache.warm")
 
 CHUNK = 16  # samples per pool task: amortises IPC, keeps the progress bar moving
+LOG_QUARANTINED = 20  # quarantined files logged one by one per fill; the rest in one summary line
 
 
 @dataclass
@@ -179,6 +181,12 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
                 if on_chunk is not None:
                     on_chunk(rep)
         rep.stopped = feeder.submitted < len(chunks)
+        if len(rep.quarantined) > LOG_QUARANTINED:
+            kinds = QuarantineSummary()
+            kinds.add(rep.quarantined)
+            log.warning("... and %d more files quarantined in this fill (%d in all; by reason: %s); the "
+                        "daemon's GET /status and CachedImageNet.quarantined list them",
+                        len(rep.quarantined) - LOG_QUARANTINED, len(rep.quarantined), kinds.by_reason)
         rep.bytes_read = _bytes_read(reader) - bytes_before
         rep.write_errors = store.counters().get("write_errors", 0) - errors_before + rep.worker_write_errors
     except BaseException:
@@ -291,7 +299,8 @@ def _write_chunk(reader: ReadThrough, store: Any, got: Chunk, rep: WarmReport) -
     for i, rec, reason, remember in results:
         if rec is None:
             rep.quarantined[man.paths[i]] = reason
-            log.warning("quarantined %s (%s)", man.paths[i], reason)
+            if len(rep.quarantined) <= LOG_QUARANTINED:  # the rest: one summary line at the end
+                log.warning("quarantined %s (%s)", man.paths[i], reason)
             if remember:  # transient failures (read errors, short reads) are not remembered
                 bad_items.append(reader.remember_bad(i, reason))
     rep.decoded += len(good)
