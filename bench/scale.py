@@ -29,9 +29,11 @@ For each size (12,812 / 128,117 / 1,281,167 files in 1,000 class folders, genera
 Cost per sample = phase seconds / files (the idle pass: CPU seconds / files). ``ratios``:
 ``scale_cost_ratio_<phase>`` = cost per sample at the largest size / at the smallest (lower is better,
 target <= 1.5), ``..._rss`` for the memory of the phases that hold one; ``status_bytes_growth`` /
-``metrics_bytes_growth`` (largest / smallest, target ~1); ``daemon_rss_growth_vs_manifest`` (peak RSS
-growth from the smallest to the largest size / the largest manifest's bytes, target <= 1: "the manifest
-plus a constant"); for a loader worker, whose RSS also counts pages it shares (the manifest's
+``metrics_bytes_growth`` (largest / smallest, target ~1); ``daemon_rss_growth_vs_manifest`` (growth of a
+daemon's resident memory once its dataset is full, from the smallest to the largest size / the largest
+manifest's bytes, target <= 1: "the manifest plus a constant"), with ``daemon_peak_growth_vs_manifest``
+(the same for its peak, VmHWM: the listing and the fill included) reported beside it; for a loader
+worker, whose RSS also counts pages it shares (the manifest's
 shared-memory columns, mapped once per rank; heap pages inherited from the rank at fork),
 ``worker_private_growth_vs_manifest`` (growth of its private memory, USS from ``smaps_rollup``, target
 <= 0.1: no per-worker copy of anything per sample) and ``shared_per_rank_growth_vs_manifest`` (growth of
@@ -423,6 +425,8 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, bat
                        "daemon_mem": {d.name: tree_memory(d.proc.pid) for d in daemons}}
         # peak resident memory (VmHWM) of each daemon's main process since it started: the fill pass included
         res["fill"]["daemon_rss_max"] = max(m["main_peak"] for m in res["fill"]["daemon_mem"].values())
+        # resident now that the dataset is full (what a daemon holds for the rest of its life)
+        res["fill"]["daemon_rss_full"] = max(m["main_rss"] for m in res["fill"]["daemon_mem"].values())
         print(f"  {fill_s:.1f} s ({n / fill_s:.0f} files/s), quarantined {res['fill']['quarantined']}, "
               f"daemon peak RSS max {res['fill']['daemon_rss_max'] / 1e6:.0f} MB")
         used = sum(used_memory(m.port) for m in cluster.masters) - base_used
@@ -576,7 +580,8 @@ def compute_ratios(sizes: list[dict[str, Any]]) -> tuple[dict[str, float | None]
     # "bounded by the manifest plus a constant": RSS growth from the smallest to the largest size, in units of
     # the largest manifest's bytes (<= 1: a process grows by at most one manifest)
     mbytes = big["listing"]["manifest_bytes"]
-    grow = {"worker_rss": ("epoch2", "worker_rss_max"), "daemon_rss": ("fill", "daemon_rss_max"),
+    grow = {"worker_rss": ("epoch2", "worker_rss_max"), "daemon_rss": ("fill", "daemon_rss_full"),
+            "daemon_peak": ("fill", "daemon_rss_max"),
             "worker_private": ("epoch2", "worker_uss_max"), "shared_per_rank": ("epoch2", "worker_shmem_max")}
     for who, (k, f) in grow.items():
         a, b = small.get(k, {}).get(f), big.get(k, {}).get(f)
@@ -613,7 +618,8 @@ def plot(path: str, sizes: list[dict[str, Any]]) -> None:
     axes[0].set_ylabel("µs per sample")
     axes[0].set_title("cost per sample vs dataset size (flat = scales)")
     axes[0].legend(fontsize=7, ncol=2)
-    mems = {"listing peak": ("listing", "peak_rss"), "daemon": ("fill", "daemon_rss_max"),
+    mems = {"listing peak": ("listing", "peak_rss"), "daemon peak": ("fill", "daemon_rss_max"),
+            "daemon (full)": ("fill", "daemon_rss_full"),
             "loader worker": ("epoch2", "worker_rss_max"), "manifest": ("listing", "manifest_bytes")}
     for label, (k, f) in mems.items():
         ys = [s.get(k, {}).get(f) for s in sizes]
