@@ -36,6 +36,7 @@ from typing import Any
 
 from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, source_allowed
 from cache_daemon.decoders import make_decoder
+from cache_daemon.heap import release_free_heap
 from cache_daemon.ingest import DatasetState, ingest_pass
 from cache_daemon.registry import register, registered, unregister
 from cache_daemon.watchdog import Watchdog
@@ -179,15 +180,21 @@ class Daemon:
                 self._sync_registry()
                 with self.lock:
                     states = list(self.states.values())
+                worked = False
                 for state in states:
                     if self.stop.is_set():
                         break
                     self.watch.begin(state.spec.ident())
+                    before = (state.decoded, state.manifest)
                     try:
                         ingest_pass(self.cfg, state, self.store, decoder=self.decoder, stop=self.stop,
                                     progress=self.progress, pool=self.pool, watch=self.watch)
                     finally:
                         self.watch.end()
+                    # the pass listed the dataset (a new manifest) or decoded: it allocated a lot
+                    worked = worked or state.decoded != before[0] or state.manifest is not before[1]
+                if worked:
+                    release_free_heap()  # what the pass allocated and freed goes back to the OS
                 self.watch.end_round()
                 if once and states and all(s.status in ("full", "budget") for s in states):
                     return

@@ -270,3 +270,14 @@ def test_every_config_field_can_be_set_in_toml_and_the_environment(tmp_path) -> 
     assert load_config(str(cfg), env={}).verify_interval == 30.0
     env = {"DATACACHE_DAEMON_VERIFY_INTERVAL": "0"}
     assert load_config(str(cfg), env=env).verify_interval == 0.0
+
+
+def test_release_free_heap_calls_glibc_trim_or_says_it_cannot(monkeypatch) -> None:
+    import ctypes.util
+
+    from cache_daemon import heap
+
+    libc = ctypes.util.find_library("c") or ""
+    assert heap.release_free_heap() is ("musl" not in libc)  # glibc here: trimmed
+    monkeypatch.setattr(heap, "_TRIM", False)  # a libc without malloc_trim: nothing to call, no error
+    assert heap.release_free_heap() is False
