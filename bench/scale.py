@@ -341,8 +341,11 @@ def listing_phase(root: str, workdir: str) -> dict[str, Any]:
     code = ("import json, resource, sys, time\nfrom datacache.manifest import Manifest\n"
             "t = time.perf_counter()\nm = Manifest.build(sys.argv[1], persist_dir=sys.argv[2])\n"
             "dt = time.perf_counter() - t\n"
+            # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child of this (large) benchmark
+            # process would report the parent's size
+            "hwm = [int(x.split()[1]) * 1024 for x in open('/proc/self/status') if x.startswith('VmHWM:')]\n"
             "print(json.dumps({'seconds': dt, 'files': len(m), 'manifest_bytes': m.nbytes, "
-            "'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
+            "'peak_rss': hwm[0] if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
     out = subprocess.run([sys.executable, "-c", code, root, os.path.join(workdir, "listing-manifests")],
                          capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": REPO})
     if out.returncode != 0:

@@ -166,7 +166,11 @@ def map_concurrent(fn: Callable[[_T], _R], items: Sequence[_T], *, workers: int 
 @dataclass
 class _ClassResult:
     block: Block
-    dirstate: dict[str, list[float]]
+    # (mtime, entry count) of the class folder itself, then ``(relative dir, mtime, count)`` of each of
+    # its sub-directories (rare). Plain floats, no dict: the dirstate dict is built after the walk (see
+    # list_folder's memory note)
+    state: tuple[float, float]
+    subdirs: list[tuple[str, float, float]]
     non_image: int
 
 
@@ -182,9 +186,10 @@ def _class_result(fs: fsspec.AbstractFileSystem, path: str, cdir: str, target: i
         parent = n.rpartition("/")[0]  # string ops, not posixpath: this loop runs once per file
         if n != cdir and parent in counts:
             counts[parent] += 1
-    dirstate = {}
-    for d in subdirs:  # (mtime, entry count) per directory, from the walk itself
-        dirstate[posixpath.relpath(d, path)] = [mtime_of(found.get(d) or fs.info(d)), float(counts[d])]
+    # (mtime, entry count) per directory, from the walk itself
+    state = (mtime_of(found.get(cdir) or fs.info(cdir)), float(counts[cdir]))
+    extra = [(posixpath.relpath(d, path), mtime_of(found.get(d) or fs.info(d)), float(counts[d]))
+             for d in subdirs[1:]]
     files: list[tuple[str, str, dict]] = []
     non_image = 0
     for name, info in found.items():
@@ -200,7 +205,7 @@ def _class_result(fs: fsspec.AbstractFileSystem, path: str, cdir: str, target: i
     # every name lies under cdir = path/<class>: relative by slicing
     block = Block.of([f"{d}/{n}"[skip:] for d, n, _ in files], [target] * len(files),
                      [i for _, _, i in files])
-    return _ClassResult(block, dirstate, non_image)
+    return _ClassResult(block, state, extra, non_image)
 
 
 def _walk_classes(fs: fsspec.AbstractFileSystem, path: str, cdirs: list[str],
@@ -279,8 +284,16 @@ def list_folder(fs: fsspec.AbstractFileSystem, path: str, url: str, *, workers: 
     if n_outside:
         out.count("outside_class", n_outside)
     cdirs = [posixpath.join(path, c) for c in out.classes]
-    for target, (c, res) in enumerate(zip(out.classes, _walk_classes(fs, path, cdirs, workers))):
-        out.dirstate.update(res.dirstate)
+    results = _walk_classes(fs, path, cdirs, workers)
+    # Memory: the walk churns through ~1 KB of short-lived fsspec objects per file; a long-lived small
+    # object allocated in the middle of that churn pins its allocator arena, and at 1.28M files that
+    # kept tens of MB resident after the walk. So the walk's results hold only numpy arrays, bytes and
+    # floats, and the dirstate dict (strings and lists that live as long as the manifest) is built here,
+    # after the churn.
+    for target, (c, res) in enumerate(zip(out.classes, results)):
+        out.dirstate[c] = list(res.state)
+        for rel, mtime, count in res.subdirs:
+            out.dirstate[rel] = [mtime, count]
         if res.non_image:
             out.count("non_image", res.non_image)
         out.blocks.append(res.block)

@@ -281,3 +281,26 @@ def test_release_free_heap_calls_glibc_trim_or_says_it_cannot(monkeypatch) -> No
     assert heap.release_free_heap() is ("musl" not in libc)  # glibc here: trimmed
     monkeypatch.setattr(heap, "_TRIM", False)  # a libc without malloc_trim: nothing to call, no error
     assert heap.release_free_heap() is False
+
+
+def test_the_first_listing_runs_in_a_child_that_persists_the_manifest(imagefolder_factory, tmp_path,
+                                                                      caplog) -> None:
+    import os
+    import time
+
+    from cache_daemon.ingest import list_in_child
+    from datacache.manifest import Manifest
+
+    root = imagefolder_factory(classes=2, per_class=3, size=(40, 30))
+    pdir = str(tmp_path / "manifests")
+    stop = threading.Event()
+    assert list_in_child(DatasetSpec(root), pdir, stop)
+    saved = Manifest.persist_path(pdir, Manifest.build(root).root)
+    assert os.path.exists(saved) and len(Manifest.load(saved)) == 6
+    with caplog.at_level("WARNING", logger="cache_daemon.ingest"):
+        assert not list_in_child(DatasetSpec(str(tmp_path / "missing")), pdir, stop)  # the daemon lists
+    assert "the listing process failed" in caplog.text and "does not exist" in caplog.text
+    stop.set()
+    t = time.monotonic()
+    assert not list_in_child(DatasetSpec(root), str(tmp_path / "m2"), stop)  # SIGTERM: child killed
+    assert time.monotonic() - t < 5 and not os.path.exists(str(tmp_path / "m2"))
