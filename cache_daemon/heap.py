@@ -1,9 +1,9 @@
 """Give freed heap memory back to the operating system after a pass that allocated a lot.
 
-A long-lived daemon lists a 1.28M-file dataset (hundreds of MB of short-lived objects) and fills it;
-afterwards CPython and glibc keep much of the freed memory in their heaps, so the daemon's resident
-size stays ~60 MB above what it holds (measured: 189 MB resident right after listing 1.28M files with
-an 82 MB manifest, 156 MB after ``malloc_trim``). :func:`release_free_heap` asks glibc to return it.
+A long-lived daemon decodes and writes millions of samples (and may list a dataset again when it
+changed); afterwards CPython and glibc keep much of the freed memory in their heaps, so the daemon's
+resident size stays above what it holds (bench/results/NOTES.md#listing-memory).
+:func:`release_free_heap` asks glibc to return it.
 
 Hazard: ``malloc_trim`` is a glibc extension reached through ``ctypes``; where it is missing (musl,
 macOS) nothing happens. It walks the heap under glibc's lock (milliseconds here), so the daemon calls it

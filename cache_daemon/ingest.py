@@ -236,10 +236,10 @@ LIST_CODE = ("import sys\nfrom datacache.manifest import Manifest\n"
 
 def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event) -> bool:
     """List (or revalidate) ``spec``'s source in a short-lived child process that persists the manifest,
-    so this long-lived daemon only *loads* it. Listing 1.28M files in-process churns through ~1 KB of
-    short-lived objects per file and leaves ~20 MB more resident than the manifest for the daemon's
-    whole life (allocator retention: nothing is referenced; measured in ``bench/results/scale.json``);
-    loading allocates the columns in a few large blocks that go back to the OS when freed. False when
+    so this long-lived daemon only *loads* it. Listing in-process churns through ~1 KB of short-lived
+    fsspec objects per file and leaves tens of MB more resident than the manifest at ImageNet scale for
+    the daemon's whole life (allocator retention: nothing is referenced;
+    bench/results/NOTES.md#listing-memory); loading allocates the columns in a few large blocks. False when
     the child failed (the caller then lists in-process, which raises the listing's own clear error).
 
     Process boundary: ``subprocess`` (fork + exec of this interpreter, safe beside the daemon's

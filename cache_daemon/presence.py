@@ -10,8 +10,8 @@ Keys of a full dataset only go away when something **removes** them, and Redis c
   (:data:`REMOVING_COMMANDS`, from ``INFO commandstats``; commands run by scripts and ``MULTI`` are
   counted there too). ``CONFIG RESETSTAT`` zeroes these counters: any difference, down included,
   counts as a change, and so does ``total_commands_processed`` going down (the reset's other trace);
-* the number of keys in each slot this daemon owns (``CLUSTER COUNTKEYSINSLOT``, pipelined: ~40 ms
-  for 5,461 slots), or the server's ``DBSIZE`` for a store that is not a cluster -- a second,
+* the number of keys in each slot this daemon owns (``CLUSTER COUNTKEYSINSLOT``, one pipeline:
+  bench/results/NOTES.md#idle-pass), or the server's ``DBSIZE`` for a store that is not a cluster -- a second,
   independent guard: a removal path missing from the list above still lowers a count.
 
 A pass that verified "every owned key is present" keeps the stamp it took **before** verifying (a

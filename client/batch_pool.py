@@ -1,10 +1,9 @@
 """Shared-memory batch buffers that DataLoader workers reuse once the main process has let go of them.
 
-A worker's batch travels to the main process in shared memory. Allocating a fresh 12.6 MB segment per
-``[256, 3, 128, 128]`` batch and faulting its pages in costs ~5 ms of the ~20 ms a worker spends on
-a batch (``bench/results/loader.json``, ``per_batch_ms``); FFCV avoids it by reusing preallocated
-buffers, with the contract that a batch is only valid for a few iterations. Here reuse is **safe
-without any contract**:
+A worker's batch travels to the main process in shared memory. Allocating a fresh segment per batch
+and faulting its pages in costs a quarter of what a worker spends on a batch of 128-px crops
+(bench/results/NOTES.md#batch-pool); FFCV avoids it by reusing preallocated buffers, with the contract
+that a batch is only valid for a few iterations. Here reuse is **safe without any contract**:
 
 * each worker keeps a small ring of shared buffers (:class:`WorkerRing`) and a shared ``uint8`` flag
   per slot (``FREE`` / ``BUSY``). A batch is built in a ``FREE`` slot, which turns ``BUSY`` *before*

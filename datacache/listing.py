@@ -378,9 +378,9 @@ def list_file(fs: fsspec.AbstractFileSystem, path: str, url: str, info: dict, *,
 # A directory whose recorded mtime is at least this much older than the listing's start is "settled":
 # its mtime alone proves its entries unchanged (any later add/remove/rename sets a newer mtime). Closer
 # to the listing, a change in the same timestamp tick could keep the mtime (1-2 s granularity on some
-# filesystems; Linux's coarse clock ticks are ~4 ms) or the file server's clock may lag ours: such
-# "racy" directories (git's term for the same problem) also have their entries counted. 10 s covers
-# 2 s granularity plus 8 s of clock skew between a client and an NFS server.
+# filesystems; Linux's coarse clock ticks are a few milliseconds) or the file server's clock may lag
+# ours: such "racy" directories (git's term for the same problem) also have their entries counted.
+# 10 s covers 2 s granularity plus 8 s of clock skew between a client and an NFS server.
 RACY_MARGIN_S = 10.0
 
 

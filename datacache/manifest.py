@@ -18,9 +18,8 @@ Sources (walked by :mod:`datacache.listing`)
 Memory of a listing
     Class folders are listed concurrently, but each folder's fsspec info dicts (~1 KB per file) are
     turned into compact columns as soon as it arrives, with at most ``workers`` folders in flight,
-    and the manifest is saved field by field from the columns' own memory: listing 1.28M files peaks
-    at ~245 MB resident for an 82 MB manifest (it was 1.4 GB when every folder's dicts were kept
-    until the end).
+    and the manifest is saved field by field from the columns' own memory: the peak of a listing is
+    a small multiple of the manifest, not of the fsspec dicts (bench/results/NOTES.md#listing-memory).
 
 Memory (what travels to every spawn DataLoader worker)
     Columns are numpy arrays -- ``labels`` int32, ``sizes`` int64 (-1 = unknown), ``mtimes``
@@ -40,7 +39,7 @@ Persistence and revalidation (``persist_dir``), costs for 1.28M files in 1,000 f
     the next start checks it with ``revalidate``:
 
     * ``"dirs"`` (default): re-stat every *directory* seen by the walk (one request per directory,
-      concurrent: ~1,000 for ImageNet, ~0.06 s of CPU at 1.28M files) and compare its mtime. A
+      concurrent: ~1,000 for ImageNet; bench/results/NOTES.md#listing-memory) and compare its mtime. A
       directory whose recorded mtime is at least ``RACY_MARGIN_S`` (10 s) older than the listing's
       start (``listed_at``) is *settled*: an unchanged mtime proves its entries unchanged, since
       adding, removing or renaming an entry sets a newer one. A directory changed closer to the
@@ -215,8 +214,8 @@ class Manifest:
         """List ``source`` (ImageFolder tree or .txt/.csv list), reusing a persisted copy when valid.
 
         ``reuse``: a manifest of the same source already in memory (the cache daemon's, between its
-        passes): revalidated instead of reading the persisted copy again -- at ImageNet scale that read
-        costs ~0.2 s of CPU and twice the manifest's memory while it lasts."""
+        passes): revalidated instead of reading the persisted copy again, which at ImageNet scale costs
+        more CPU than the revalidation and twice the manifest's memory while it lasts."""
         check_revalidate(revalidate)
         fs, path, url = _open_fs(source, storage_options)
         try:

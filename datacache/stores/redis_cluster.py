@@ -85,7 +85,8 @@ def index_key_slots(prefix: bytes, indices: np.ndarray) -> np.ndarray:
     building one key: the CRC of ``prefix`` once, then the decimal digits of every index at once (the CRC
     is a byte-at-a-time recurrence, vectorised over the keys, grouped by digit count). Equal to
     :func:`key_slots` of the built keys (tested against redis-py's ``key_slot`` and ``CLUSTER KEYSLOT``);
-    a daemon's ownership at 1.28M samples costs ~0.1 s instead of ~1 s and no 100 MB of keys."""
+    a daemon's ownership needs neither a key per sample nor a hash call per key
+    (bench/results/NOTES.md#idle-pass)."""
     idx = np.asarray(indices, dtype=np.int64)
     if b"{" in prefix:  # a hash tag could make only part of the key count: the general path
         return key_slots([prefix + b"%d" % i for i in idx.tolist()])
