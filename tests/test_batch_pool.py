@@ -145,4 +145,6 @@ def test_the_trainers_crop_batches_reuse_buffers_safely_too(keep_all: bool) -> N
     for a, b in zip(got, want):
         assert torch.equal(a.pixels, b.pixels) and torch.equal(a.meta, b.meta)
     st = collate.buffer_stats()
-    assert st["reused"] == 0 if keep_all else st["reused"] > len(want) // 2, st
+    assert st["allocated"] + st["reused"] == len(want), st  # one buffer per batch, counted once
+    # how many come back in time to be reused depends on the workers' prefetch and the scheduler
+    assert st["reused"] == 0 if keep_all else st["reused"] > 0, st
