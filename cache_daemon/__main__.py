@@ -86,8 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             shown["api_token"] = "<set>" if cfg.api_token else ""  # never print the secret itself
             print(json.dumps(shown, indent=1, default=str))
             return 0
+        from cache_daemon.heap import limit_heap_growth
         from cache_daemon.service import Daemon
 
+        tuned = limit_heap_growth()  # before any thread starts (cache_daemon.heap)
+        logging.getLogger("cache_daemon").info("allocator: %s", tuned or "left as is")
         daemon = Daemon(cfg, progress=False if args.no_progress else None)
     except ConfigError as e:
         print(f"datacache-daemon: config error: {e}", file=sys.stderr)

@@ -1,13 +1,21 @@
-"""Give freed heap memory back to the operating system after a pass that allocated a lot.
+"""Keep a long-lived daemon's resident memory close to what it holds.
 
-A long-lived daemon decodes and writes millions of samples (and may list a dataset again when it
-changed); afterwards CPython and glibc keep much of the freed memory in their heaps, so the daemon's
-resident size stays above what it holds (bench/results/NOTES.md#listing-memory).
-:func:`release_free_heap` asks glibc to return it.
+A daemon decodes and writes millions of samples (and may list a dataset again when it changed);
+afterwards CPython and glibc keep much of the freed memory in their heaps, so the daemon's resident
+size stays above what it holds (bench/results/NOTES.md#listing-memory, #daemon-memory).
 
-Hazard: ``malloc_trim`` is a glibc extension reached through ``ctypes``; where it is missing (musl,
-macOS) nothing happens. It walks the heap under glibc's lock (milliseconds here), so the daemon calls it
-only after a pass that did work, never on an idle pass.
+* :func:`limit_heap_growth` (once, at start, before any thread): at most 2 glibc arenas (by default
+  glibc gives each new thread -- every HTTP request is served by one -- an arena of its own, up to 8
+  per core, each keeping its free pages) and a fixed 1 MiB mmap threshold (glibc otherwise raises the
+  threshold to the size of the largest block freed, so the 10 MB columns and index arrays that a pass
+  allocates and frees come from the heap afterwards and fragment it). A variable already set in the
+  environment (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``) wins.
+* :func:`release_free_heap` (after a pass that did work) asks glibc to return free heap pages.
+
+Hazard: both are glibc extensions reached through ``ctypes``; where glibc is missing (musl, macOS)
+nothing happens. The trim walks the heap under glibc's lock (milliseconds here), so the daemon calls it
+only after a pass that did work, never on an idle pass. The settings are process-wide and inherited by
+the decode pool's forked workers.
 """
 
 from __future__ import annotations
@@ -15,21 +23,48 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
 from typing import Any
 
 _TRIM: Any = None
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameters (glibc's malloc.h)
+ARENA_MAX = 2
+MMAP_THRESHOLD = 1 << 20
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def _malloc_trim() -> Any:
     global _TRIM
     if _TRIM is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _TRIM = libc.malloc_trim
+            _TRIM = _libc().malloc_trim
             _TRIM.argtypes, _TRIM.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):  # not glibc: nothing to call
+        except AttributeError:  # not glibc (or no libc found): nothing to call
             _TRIM = False
     return _TRIM
+
+
+def limit_heap_growth(env: dict[str, str] | None = None) -> dict[str, int]:
+    """Set glibc's arena count and mmap threshold (module docstring); returns what was set (empty where
+    glibc's ``mallopt`` is unavailable, without what the environment already sets)."""
+    env = os.environ if env is None else env
+    try:
+        mallopt = _libc().mallopt
+    except AttributeError:
+        return {}
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done: dict[str, int] = {}
+    for name, param, value in (("MALLOC_ARENA_MAX", M_ARENA_MAX, ARENA_MAX),
+                               ("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
+        if name not in env and mallopt(param, value) == 1:  # mallopt returns 1 on success
+            done[name] = value
+    return done
 
 
 def release_free_heap() -> bool:

@@ -8,6 +8,7 @@ of every owned key for "the dataset is full again" after each fault.
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numpy as np
@@ -17,6 +18,8 @@ from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
 from cache_daemon.ingest import DatasetState, ingest_pass
 from datacache.config import ConfigError
 from tests.redis_utils import cli, needs_redis, slot_owners
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHORT = 16
 
@@ -281,6 +284,52 @@ def test_release_free_heap_calls_glibc_trim_or_says_it_cannot(monkeypatch) -> No
     assert heap.release_free_heap() is ("musl" not in libc)  # glibc here: trimmed
     monkeypatch.setattr(heap, "_TRIM", False)  # a libc without malloc_trim: nothing to call, no error
     assert heap.release_free_heap() is False
+
+
+HEAP_PROBE = r"""
+import ctypes, json, sys
+if sys.argv[1] == "tuned":
+    from cache_daemon.heap import limit_heap_growth
+    print(json.dumps(limit_heap_growth(env={})))
+big = bytearray(16 << 20)
+del big  # untuned glibc now serves blocks up to 16 MiB from its heap (its mmap threshold followed)
+blk = bytearray(2 << 20)
+addr = ctypes.addressof((ctypes.c_char * len(blk)).from_buffer(blk))
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        print(json.dumps(lo <= addr < hi))
+        break
+else:
+    print(json.dumps(False))
+"""
+
+
+def test_limit_heap_growth_keeps_big_blocks_out_of_the_heap_and_yields_to_the_environment() -> None:
+    """After a 16 MiB block is freed, glibc (left as is) serves a 2 MiB block from its heap, where
+    freed space fragments; with the daemon's settings the block is mapped on its own (returned whole
+    when freed). A variable set in the environment is left to glibc."""
+    import ctypes.util
+    import json
+    import subprocess
+    import sys
+
+    if "musl" in (ctypes.util.find_library("c") or "") or not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt is what is tuned; this libc has none")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = REPO
+
+    def probe(mode: str) -> list:
+        out = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True,
+                             env=env, timeout=60, check=True).stdout
+        return [json.loads(line) for line in out.splitlines()]
+
+    assert probe("plain") == [True]  # the reference: glibc's dynamic threshold puts it in the heap
+    assert probe("tuned") == [{"MALLOC_ARENA_MAX": 2, "MALLOC_MMAP_THRESHOLD_": 1 << 20}, False]
+    from cache_daemon.heap import limit_heap_growth
+
+    # (in this process only the environment check runs: every variable is set, nothing is changed)
+    assert limit_heap_growth(env={"MALLOC_ARENA_MAX": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}) == {}
 
 
 def test_the_first_listing_runs_in_a_child_that_persists_the_manifest(imagefolder_factory, tmp_path,

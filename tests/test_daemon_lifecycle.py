@@ -159,6 +159,9 @@ def test_soak_2000_passes_over_a_full_dataset_then_sigterm(imagefolder_factory, 
     assert d["passes"] >= 2000 and d["owned"] == d["done"] == 6, d
     assert status["loop"]["pool"]["created"] == 0, status["loop"]  # a full pass forks nothing
     assert not seen_children, (seen_children, Path(log).read_text()[-3000:])
+    # the allocator was tuned at start (cache_daemon.heap.limit_heap_growth), or the environment's kept
+    assert "allocator: {'MALLOC_ARENA_MAX': 2, 'MALLOC_MMAP_THRESHOLD_': 1048576}" in Path(log).read_text() \
+        or any(k.startswith("MALLOC_") for k in os.environ)
     assert get(port, "/health")[0] == 200
     t1 = time.monotonic()
     p.send_signal(signal.SIGTERM)

@@ -31,6 +31,26 @@ def test_summary_dedupes_caps_examples_and_kinds() -> None:
     assert len(q.by_reason) == MAX_KINDS + 1 and q.by_reason["other"] == 6  # 20 kinds + "other"
 
 
+def test_summary_counts_each_file_once_across_its_merged_and_recent_hashes() -> None:
+    """Hashes move from a small set into a sorted array every MERGE_AT files: a file seen again is
+    found in either, in any order of arrival (the reference: a set of the paths)."""
+    import random
+
+    from datacache.quarantine_summary import MERGE_AT
+
+    rng = random.Random(5)
+    paths = [f"n{rng.randrange(10**6):07d}/{i}.JPEG" for i in range(3 * MERGE_AT + 17)]
+    q, ref = QuarantineSummary(), set()
+    for start in range(0, len(paths), 1000):
+        batch = paths[start:start + 1000] + rng.sample(paths[:start + 1000], 300)  # repeats, old and new
+        want = len(set(batch) - ref)
+        assert q.add(dict.fromkeys(batch, "cannot decode: bad")) == want
+        ref |= set(batch)
+        assert len(q) == len(ref)
+    assert q.add(dict.fromkeys(paths, "x")) == 0 and q.by_reason == {"cannot decode: bad": len(ref)}
+    assert q.as_json()["count"] == len(ref)
+
+
 def _dataset_with_bad_files(factory, bad: int) -> str:
     root = factory(classes=2, per_class=3, size=(40, 30))
     for i in range(bad):
