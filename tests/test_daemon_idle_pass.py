@@ -108,11 +108,29 @@ def test_owned_indices_are_the_keys_whose_slots_the_node_serves(cluster_url, red
         cfg = DaemonConfig(cache=cluster_url, redis_node=m.addr)
         own = owned_indices(cfg, store, prefix, n)
         seen[own.indices] += 1
+        assert own.count == len(own.indices) and own.bits.nbytes == (n + 7) // 8  # kept: 1 bit per sample
         for i, s in slot_of.items():
             assert (i in set(own.indices.tolist())) == (owners[s] == m.addr)
         assert owned_indices(cfg, store, prefix, n, own) is own  # same inputs: reused, not recomputed
         assert owned_indices(cfg, store, prefix + b"x", n, own) is not own
     assert (seen == 1).all()  # exactly one owner per sample
+
+
+def test_hash_and_all_ownership_cover_every_index_once_across_chunks() -> None:
+    """``hash``: index i is owned by rank xxh3_64(prefix + str(i)) % world_size (the documented hash,
+    re-stated here per key), over more than one HASH_CHUNK; ``all``: everything."""
+    import xxhash
+
+    from cache_daemon.ownership import HASH_CHUNK, owned_indices
+
+    prefix, n, world = b"dc:0123456789abcdef:t:", HASH_CHUNK + 4465, 3
+    want = np.array([xxhash.xxh3_64_intdigest(prefix + str(i).encode()) % world for i in range(n)])
+    for rank in range(world):
+        own = owned_indices(DaemonConfig(cache="redis://h:1", ownership="hash", rank=rank, world_size=world),
+                            None, prefix, n)
+        assert np.array_equal(own.indices, np.flatnonzero(want == rank)) and own.count == (want == rank).sum()
+    everything = owned_indices(DaemonConfig(cache="redis://h:1", ownership="all"), None, prefix, n)
+    assert np.array_equal(everything.indices, np.arange(n)) and everything.count == n
 
 
 # ------------------------------------------------------------------ the idle shortcut
