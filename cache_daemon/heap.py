@@ -10,6 +10,10 @@ size stays above what it holds (bench/results/NOTES.md#listing-memory, #daemon-m
   threshold to the size of the largest block freed, so the 10 MB columns and index arrays that a pass
   allocates and frees come from the heap afterwards and fragment it). A variable already set in the
   environment (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``) wins.
+* :func:`decode_worker_heap` (first thing in each decode worker, forked from the tuned daemon): the
+  workers' threshold goes back up to 32 MiB, the ceiling glibc's own threshold reaches, so a large
+  image's decode buffers (9 MB for a 2000x1500 JPEG) are reused from the heap rather than mapped and
+  zeroed per image (a third slower, bench/results/NOTES.md#daemon-memory). Workers hold nothing long.
 * :func:`release_free_heap` (after a pass that did work) asks glibc to return free heap pages.
 
 Hazard: both are glibc extensions reached through ``ctypes``; where glibc is missing (musl, macOS)
@@ -30,6 +34,7 @@ _TRIM: Any = None
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameters (glibc's malloc.h)
 ARENA_MAX = 2
 MMAP_THRESHOLD = 1 << 20
+WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
 def _libc() -> Any:
@@ -54,17 +59,34 @@ def limit_heap_growth(env: dict[str, str] | None = None) -> dict[str, int]:
     """Set glibc's arena count and mmap threshold (module docstring); returns what was set (empty where
     glibc's ``mallopt`` is unavailable, without what the environment already sets)."""
     env = os.environ if env is None else env
-    try:
-        mallopt = _libc().mallopt
-    except AttributeError:
+    mallopt = _mallopt()
+    if mallopt is None:
         return {}
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done: dict[str, int] = {}
     for name, param, value in (("MALLOC_ARENA_MAX", M_ARENA_MAX, ARENA_MAX),
                                ("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
         if name not in env and mallopt(param, value) == 1:  # mallopt returns 1 on success
             done[name] = value
     return done
+
+
+def _mallopt() -> Any:
+    try:
+        mallopt = _libc().mallopt
+    except AttributeError:
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
+def decode_worker_heap(env: dict[str, str] | None = None) -> bool:
+    """In a decode worker: a fixed 32 MiB mmap threshold (module docstring); False where glibc's
+    ``mallopt`` is unavailable or ``MALLOC_MMAP_THRESHOLD_`` is set in the environment (it wins)."""
+    env = os.environ if env is None else env
+    mallopt = _mallopt()
+    if mallopt is None or "MALLOC_MMAP_THRESHOLD_" in env:
+        return False
+    return mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD) == 1
 
 
 def release_free_heap() -> bool:

@@ -36,7 +36,7 @@ from typing import Any
 
 from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, source_allowed
 from cache_daemon.decoders import make_decoder
-from cache_daemon.heap import release_free_heap
+from cache_daemon.heap import decode_worker_heap, release_free_heap
 from cache_daemon.ingest import DatasetState, ingest_pass
 from cache_daemon.registry import register, registered, unregister
 from cache_daemon.watchdog import Watchdog
@@ -66,7 +66,8 @@ class Daemon:
         self.http: Any = None
         self.force = threading.Event()  # a second signal: stop without waiting for the drain
         self.stop_at = 0.0  # monotonic time of the first signal
-        self.pool = DecodePool(cfg.workers or None)  # forked on first use; shared by every pass
+        # forked on first use; shared by every pass; its workers undo the daemon's small mmap threshold
+        self.pool = DecodePool(cfg.workers or None, worker_setup=decode_worker_heap)
         self.watch = Watchdog(cfg.pass_timeout, self.pool.workers)
         self.failed_rounds, self.round_error = 0, ""  # rounds that failed before their passes ran
 

@@ -39,6 +39,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("datacache.decodepool")
@@ -49,7 +50,7 @@ class WorkerLost(RuntimeError):
     """A decode worker exited while the pool was in use; its task (if any) is lost."""
 
 
-def _init_worker() -> None:
+def _init_worker(setup: Callable[[], None] | None = None) -> None:
     # Runs first in every worker, with SIGTERM/SIGINT still blocked (see the module docstring): ignore
     # both for good, then unblock (a signal that arrived in between is discarded, as it is ignored).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -61,6 +62,8 @@ def _init_worker() -> None:
         # without its threads; the next parallel region in the child (decode's torch shrink) would hang.
         # One intra-op thread per worker (what DataLoader workers do) never enters that pool.
         torch.set_num_threads(1)
+    if setup is not None:
+        setup()  # the owner's per-worker setup (the daemon's: cache_daemon.heap.decode_worker_heap)
 
 
 class DecodePool:
@@ -70,8 +73,9 @@ class DecodePool:
     main thread calls :meth:`close` or :meth:`kill`.
     """
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, worker_setup: Callable[[], None] | None = None) -> None:
         self.workers = max(1, int(workers or os.cpu_count() or 1))
+        self.worker_setup = worker_setup  # called first in every worker (fork: nothing is pickled)
         self.created = 0  # pools forked so far (a daemon's /status shows it: 1 in a healthy life)
         self._pool: Any = None
         self._procs: list[Any] = []  # the workers forked with this pool (Process objects)
@@ -91,7 +95,8 @@ class DecodePool:
                 # block it (Python then runs the handler in the main thread).
                 old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
                 try:
-                    self._pool = ctx.Pool(self.workers, initializer=_init_worker)
+                    self._pool = ctx.Pool(self.workers, initializer=_init_worker,
+                                          initargs=(self.worker_setup,))
                 finally:
                     signal.pthread_sigmask(signal.SIG_SETMASK, old)
                 # Pool keeps its workers in the private list ``_pool`` (stable since Python 3.2); it is

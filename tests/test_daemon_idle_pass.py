@@ -306,27 +306,41 @@ def test_release_free_heap_calls_glibc_trim_or_says_it_cannot(monkeypatch) -> No
 
 HEAP_PROBE = r"""
 import ctypes, json, sys
+
+
+def big_block_in_heap(size=2 << 20):
+    big = bytearray(16 << 20)
+    del big  # untuned glibc now serves blocks up to 16 MiB from its heap (its mmap threshold followed)
+    blk = bytearray(size)
+    addr = ctypes.addressof((ctypes.c_char * len(blk)).from_buffer(blk))
+    for line in open("/proc/self/maps"):  # (the kernel may show the heap as several mappings)
+        if line.rstrip().endswith("[heap]"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
 if sys.argv[1] == "tuned":
-    from cache_daemon.heap import limit_heap_growth
+    from cache_daemon.heap import decode_worker_heap, limit_heap_growth
+    from datacache.decodepool import DecodePool
+
     print(json.dumps(limit_heap_growth(env={})))
-big = bytearray(16 << 20)
-del big  # untuned glibc now serves blocks up to 16 MiB from its heap (its mmap threshold followed)
-blk = bytearray(2 << 20)
-addr = ctypes.addressof((ctypes.c_char * len(blk)).from_buffer(blk))
-for line in open("/proc/self/maps"):
-    if line.rstrip().endswith("[heap]"):
-        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-        print(json.dumps(lo <= addr < hi))
-        break
+    print(json.dumps(big_block_in_heap()))
+    pool = DecodePool(1, worker_setup=lambda: decode_worker_heap(env={}))  # fork: nothing pickled
+    print(json.dumps(pool.get().apply(big_block_in_heap, (8 << 20,))))  # a decode buffer's size
+    pool.close(timeout=30)
 else:
-    print(json.dumps(False))
+    print(json.dumps(big_block_in_heap()))
 """
 
 
 def test_limit_heap_growth_keeps_big_blocks_out_of_the_heap_and_yields_to_the_environment() -> None:
     """After a 16 MiB block is freed, glibc (left as is) serves a 2 MiB block from its heap, where
     freed space fragments; with the daemon's settings the block is mapped on its own (returned whole
-    when freed). A variable set in the environment is left to glibc."""
+    when freed). Its decode workers go back to serving blocks up to 32 MiB from the heap (an 8 MiB
+    decode buffer: reused, not mapped and zeroed per image). A variable set in the environment is left
+    to glibc."""
     import ctypes.util
     import json
     import subprocess
@@ -343,11 +357,12 @@ def test_limit_heap_growth_keeps_big_blocks_out_of_the_heap_and_yields_to_the_en
         return [json.loads(line) for line in out.splitlines()]
 
     assert probe("plain") == [True]  # the reference: glibc's dynamic threshold puts it in the heap
-    assert probe("tuned") == [{"MALLOC_ARENA_MAX": 2, "MALLOC_MMAP_THRESHOLD_": 1 << 20}, False]
-    from cache_daemon.heap import limit_heap_growth
+    assert probe("tuned") == [{"MALLOC_ARENA_MAX": 2, "MALLOC_MMAP_THRESHOLD_": 1 << 20}, False, True]
+    from cache_daemon.heap import decode_worker_heap, limit_heap_growth
 
     # (in this process only the environment check runs: every variable is set, nothing is changed)
     assert limit_heap_growth(env={"MALLOC_ARENA_MAX": "4", "MALLOC_MMAP_THRESHOLD_": "65536"}) == {}
+    assert decode_worker_heap(env={"MALLOC_MMAP_THRESHOLD_": "65536"}) is False
 
 
 def test_the_first_listing_runs_in_a_child_that_persists_the_manifest(imagefolder_factory, tmp_path,
