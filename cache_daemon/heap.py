@@ -55,6 +55,15 @@ def _malloc_trim() -> Any:
     return _TRIM
 
 
+def _mallopt() -> Any:
+    try:
+        mallopt = _libc().mallopt
+    except AttributeError:
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt
+
+
 def limit_heap_growth(env: dict[str, str] | None = None) -> dict[str, int]:
     """Set glibc's arena count and mmap threshold (module docstring); returns what was set (empty where
     glibc's ``mallopt`` is unavailable, without what the environment already sets)."""
@@ -68,15 +77,6 @@ def limit_heap_growth(env: dict[str, str] | None = None) -> dict[str, int]:
         if name not in env and mallopt(param, value) == 1:  # mallopt returns 1 on success
             done[name] = value
     return done
-
-
-def _mallopt() -> Any:
-    try:
-        mallopt = _libc().mallopt
-    except AttributeError:
-        return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
 
 
 def decode_worker_heap(env: dict[str, str] | None = None) -> bool:

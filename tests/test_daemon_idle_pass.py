@@ -367,7 +367,6 @@ def test_limit_heap_growth_keeps_big_blocks_out_of_the_heap_and_yields_to_the_en
 
 def test_the_first_listing_runs_in_a_child_that_persists_the_manifest(imagefolder_factory, tmp_path,
                                                                       caplog) -> None:
-    import os
     import time
 
     from cache_daemon.ingest import list_in_child
