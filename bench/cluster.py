@@ -45,7 +45,7 @@ from bench import cluster_parts as P
 from bench.common import RESULTS_DIR, machine_info, print_machine, write_results
 from bench.loader import ensure_dataset, run_dali
 from datacache.config import user_cache_dir
-from datacache.redis_local import start_cluster
+from datacache.devtools.redis_local import start_cluster
 
 TARGETS = {"cluster_warm_vs_naive": 5.0, "read_vs_redis_benchmark": 0.7, "fill_vs_bound": 0.9,
            "run2_vs_warm": 0.9, "run2_vs_run1": 10.0, "cold_vs_naive": 1.0, "minio_hit_vs_fraction": 0.95}

@@ -26,6 +26,7 @@ from datacache.decode import decode_image
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough
 from datacache.record import encode_record
+from datacache.stores import open_store
 from datacache.warm import fill_missing
 
 SIZE = 128
@@ -160,7 +161,7 @@ def connection_read(url: str, root: str, batch: int, workdir: str, repeats: int 
     CPU cache)."""
     import redis
 
-    from datacache.redis_local import start_server
+    from datacache.devtools.redis_local import start_server
     from datacache.stores import open_store
 
     ds = CachedImageNet(root, url, short_side=160, t1_dir=None)
@@ -218,7 +219,7 @@ def daemon_fill(root: str, url: str, decoder: Any, workers: int, latency_ms: flo
     man = Manifest.build(src)
     spec = parse_cache_url(url)
     reader = ReadThrough(man, Variant(short_side=160), spec, t1_dir=None)
-    store = spec.tiers[0].open()
+    store = open_store(spec.tiers[0])
     rep = fill_missing(reader, range(len(man)), workers=workers, decoder=decoder, progress=False, store=store,
                        store_spec=spec.tiers[0])  # the pool workers write to Redis themselves
     return {"samples": rep.decoded, "seconds": rep.seconds, "samples_per_s": rep.decoded / rep.seconds,

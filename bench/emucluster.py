@@ -10,13 +10,15 @@
   (switch -> node). ``--fast`` leaves the links unshaped. This kernel has no ``netem``: no delay is
   added; the veths add only their own few tens of microseconds;
 * per node a Redis Cluster master bound to the node's address (``deploy/redis/redis.conf`` filled per
-  node: port, bind, ``cluster-announce-ip``, passwords), the three formed into one cluster with
-  ``redis-cli --cluster create`` run inside node 0's namespace;
+  node: port, bind, ``cluster-announce-ip``, and the SHA-256 hashes of three generated passwords in place
+  of the template's placeholders -- a placeholder left over is refused), the three formed into one
+  cluster with ``redis-cli --cluster create`` as ``admin`` run inside node 0's namespace;
 * per node a ``datacache-daemon`` (``sys.executable -m cache_daemon``; ``deploy/daemon.toml`` filled per
-  node: node name, cache URL, ``redis_node``, datasets) whose HTTP listens on the loopback inside its
-  own namespace.
+  node: node name, cache URL as the ``datacache-daemon`` role, ``redis_node``, datasets; the file mode
+  0600) whose HTTP listens on the loopback inside its own namespace. Trainers get the ``datacache``
+  role's URL (:meth:`EmuCluster.cache_url`, ``node_env``'s ``EMUCLUSTER_CACHE_URL``).
 
-The NFS stand-in is ``slowfile://`` (:mod:`datacache.slowfs`): namespaces share the filesystem, so
+The NFS stand-in is ``slowfile://`` (:mod:`datacache.devtools.slowfs`): namespaces share the filesystem, so
 every node reads the same files through it (``--images N`` generates one under ``D/dataset-N``).
 
 ``status`` prints per node: redis alive, cluster state, daemon ``/health`` (queried from inside the
@@ -62,6 +64,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from bench.netns import check_target
+from datacache.redis_roles import ADMIN, DAEMON, TRAINER, RolesError, fill_template
 
 PREFIX = "dce-"   # namespace names: dce-<tag>-n<i>, dce-<tag>-sw (distinct from bench.netns's "dc-")
 IF_PREFIX = "dce"  # interface names: dce<tag>n<i>, dce<tag>s<i>, dce<tag>br (IFNAMSIZ: 15 chars)
@@ -157,18 +160,18 @@ def _pick_subnet() -> ipaddress.IPv4Network:
 
 
 def fill_redis_conf(template: str, *, addr: str, port: int, workdir: str, maxmemory: str,
-                    admin_pass: str, user_pass: str) -> str:
-    """The redis.conf template with this node's settings: passwords substituted in the ACL lines, then
-    port/bind/announce/... appended (a later directive overrides an earlier one in redis.conf)."""
+                    admin_pass: str, user_pass: str, daemon_pass: str) -> str:
+    """The redis.conf template with this node's settings: the roles' placeholder password hashes replaced
+    by the hashes of ``admin_pass`` / ``daemon_pass`` (datacache-daemon) / ``user_pass`` (datacache), then
+    port/bind/announce/... appended (a later directive overrides an earlier one in redis.conf). A template
+    without the placeholders, or with one left after filling, is an EmuError."""
     with open(template) as f:
         text = f.read()
-    for placeholder in (">CHANGE_ME_ADMIN", "masterauth CHANGE_ME_ADMIN", ">CHANGE_ME "):
-        if placeholder not in text:
-            raise EmuError(f"{template}: expected the placeholder {placeholder.strip()!r} (ACL passwords) "
-                           "and did not find it; update bench/emucluster.py's fill_redis_conf")
-    text = (text.replace(">CHANGE_ME_ADMIN", f">{admin_pass}")
-            .replace("masterauth CHANGE_ME_ADMIN", f"masterauth {admin_pass}")
-            .replace(">CHANGE_ME ", f">{user_pass} "))
+    try:
+        text = fill_template(text, {ADMIN: admin_pass, DAEMON: daemon_pass, TRAINER: user_pass},
+                             where=template)
+    except RolesError as e:
+        raise EmuError(str(e)) from None
     return text + (
         "\n# ---- bench/emucluster.py: this node's settings (override the template's lines above)\n"
         f"port {port}\nbind {addr}\ncluster-announce-ip {addr}\n"
@@ -241,9 +244,13 @@ class EmuCluster:
     def redis_addr(self, node: int) -> str:
         return f"{self.check_target(self.addrs[node])}:{self.state['redis_port']}"
 
-    def cache_url(self, *, user: str = "datacache") -> str:
-        """``redis+cluster://`` URL of the cluster with the restricted ACL user's password."""
-        pw = self.state["user_pass"] if user == "datacache" else self.state["admin_pass"]
+    def cache_url(self, *, user: str = TRAINER) -> str:
+        """``redis+cluster://`` URL of the cluster as ``user``: ``datacache`` (trainers, the default),
+        ``datacache-daemon`` (the daemons) or ``admin``."""
+        key = {TRAINER: "user_pass", DAEMON: "daemon_pass", ADMIN: "admin_pass"}.get(user)
+        if key is None:
+            raise EmuError(f"no role {user!r}: choose one of {TRAINER}, {DAEMON}, {ADMIN}")
+        pw = self.state[key]
         return f"redis+cluster://{user}:{pw}@" + ",".join(self.redis_addr(i) for i in range(len(self.addrs)))
 
     # ------------------------------------------------------------------ state dir
@@ -334,6 +341,7 @@ class EmuCluster:
             "addrs": [str(hosts[i]) for i in range(cfg.nodes)],
             "rate_gbit": cfg.rate_gbit, "redis_port": cfg.redis_port, "http_port": cfg.http_port,
             "admin_pass": secrets.token_hex(16), "user_pass": secrets.token_hex(16),
+            "daemon_pass": secrets.token_hex(16),
             "created": [], "pids": {}, "datasets": sources, "up": False,
         }
         self._arm()
@@ -354,7 +362,7 @@ class EmuCluster:
         cfg = self.cfg
         sources = list(cfg.datasets)
         if cfg.images > 0:
-            from datacache.synth import make_imagefolder
+            from datacache.devtools.synth import make_imagefolder
 
             root = os.path.join(os.path.abspath(cfg.state_dir), f"dataset-{cfg.images}")
             if not os.path.isdir(root):
@@ -440,7 +448,8 @@ class EmuCluster:
             conf = os.path.join(wd, "redis.conf")
             text = fill_redis_conf(self.cfg.redis_template, addr=self.check_target(addr),
                                    port=s["redis_port"], workdir=wd, maxmemory=self.cfg.maxmemory,
-                                   admin_pass=s["admin_pass"], user_pass=s["user_pass"])
+                                   admin_pass=s["admin_pass"], user_pass=s["user_pass"],
+                                   daemon_pass=s["daemon_pass"])
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds passwords
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -485,7 +494,7 @@ class EmuCluster:
 
     def _start_daemons(self) -> None:
         s = self.state
-        url = self.cache_url()
+        url = self.cache_url(user=DAEMON)  # the daemons' role: fill reports and the registry
         datasets = [{"source": src, "short_side": self.cfg.short_side} for src in s["datasets"]]
         for i in range(len(self.addrs)):
             wd = os.path.join(self.dir, f"node{i}")

@@ -1,7 +1,7 @@
 """Loader benchmark: naive PIL pipeline vs DALI-CPU vs datacache (cold/warm) vs the copy-only ceiling.
 
 All pipelines read the same generated ImageNet-like dataset (>= 2,000 JPEGs at 500x375 q90 via
-datacache.synth, plus the photos installed packages ship) and produce uint8 batches
+datacache.devtools.synth, plus the photos installed packages ship) and produce uint8 batches
 ``[256, 3, 128, 128]`` (random-resized-crop to 128 + horizontal flip) with 2 worker
 processes, measured side by side in one run:
 
@@ -63,8 +63,8 @@ from bench.loader_profile import profile_stages
 from client.augment import AugmentCollate, batch_view, rrc_params
 from client.batch_pool import BatchPool, PooledBatch
 from client.dataset import CachedImageNet
-from datacache import synth
 from datacache.config import user_cache_dir
+from datacache.devtools import synth
 from datacache.manifest import Manifest
 
 SIZE = 128

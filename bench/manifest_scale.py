@@ -42,10 +42,10 @@ MEAN_JPEG_BYTES = 110_000
 
 def make_sparse_tree(root: str, classes: int, per_class: int) -> None:
     """``root/n%08d/n%08d_%d.JPEG`` sparse files (no data blocks), made once and published atomically
-    (built in a temp dir beside ``root`` and renamed, see :func:`datacache.synth.publish_dir`)."""
+    (built in a temp dir beside ``root`` and renamed, see :func:`datacache.devtools.synth.publish_dir`)."""
     from tqdm import tqdm
 
-    from datacache.synth import publish_dir
+    from datacache.devtools.synth import publish_dir
 
     def build(tmp: str) -> None:
         for c in tqdm(range(classes), desc="sparse tree", unit="class"):

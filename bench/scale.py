@@ -128,7 +128,7 @@ class Daemon:
     """One ``python -m cache_daemon`` process with a TOML config written here."""
 
     def __init__(self, workdir: str, name: str, cache: str, redis_node: str, root: str, poll: float) -> None:
-        from datacache.redis_local import free_port
+        from datacache.devtools.redis_local import free_port
 
         self.name, self.port, self.root = name, free_port(), root
         # POST /datasets (the wake-up below) needs a token and the dataset under allowed_sources
@@ -402,8 +402,8 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, bat
              ) -> dict[str, Any]:
     import redis
 
+    from datacache.devtools.redis_local import start_cluster
     from datacache.plan import plan
-    from datacache.redis_local import start_cluster
 
     res: dict[str, Any] = {"files": n, "root": root}
     print(f"[{n:,}] listing")

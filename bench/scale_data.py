@@ -5,7 +5,7 @@
 1,281,167 files). Every file is a small real JPEG (64x48 by default, ~1.5-2.5 KB) so that 1.28M of
 them fit this machine's disk and can be decoded by its 2 cores in minutes:
 
-* ``VARIANTS`` textured base images (:func:`datacache.synth.synth_image`) are encoded once; each file
+* ``VARIANTS`` textured base images (:func:`datacache.devtools.synth.synth_image`) are encoded once; each file
   is one of them with a JPEG COM segment holding the file's index and a random nonce inserted after
   SOI, so every file's bytes differ (distinct identities and checksums) while writing costs only a
   ``write()`` per file;
@@ -70,7 +70,7 @@ def is_corrupt(index: int, corrupt_every: int = CORRUPT_EVERY) -> bool:
 
 def base_jpegs(variants: int = VARIANTS, size: tuple[int, int] = SIZE, quality: int = QUALITY) -> list[bytes]:
     """``variants`` textured JPEGs of ``size`` (deterministic)."""
-    from datacache.synth import synth_image
+    from datacache.devtools.synth import synth_image
 
     out = []
     for v in range(variants):

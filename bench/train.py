@@ -3,7 +3,7 @@ and the warm loader alone (host crop) vs today's CPU resize vs the copy-only cei
 
 Data: the generated ImageNet-like dataset of ``bench.loader`` (2,003 JPEGs, 500x375 q90, 20
 classes + shipped photos) served through ``slowfile://`` with 5 ms per request and a 50 MB/s link
-per process (the documented NFS stand-in, :mod:`datacache.slowfs`). Everything runs in one
+per process (the documented NFS stand-in, :mod:`datacache.devtools.slowfs`). Everything runs in one
 process group of one rank on this machine's cores, 2 loader workers per pipeline.
 
 Part 1 -- end-to-end training (``trainer.loop.train_epoch``: prefetcher, device augmentation,

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
+from typing import Any
 
 EPILOG = """\
 examples:
@@ -65,10 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def shown_config(cfg: Any) -> dict[str, Any]:
+    """``--check``'s view of the effective config: every URL redacted, the API token only as set/unset."""
+    from datacache.redact import redact
+
+    shown = asdict(cfg)
+    shown["api_token"] = "<set>" if cfg.api_token else ""  # never print the secret itself
+    shown["cache"] = redact(cfg.cache)
+    shown["allowed_sources"] = [redact(s) for s in cfg.allowed_sources]
+    for d in shown["datasets"]:
+        d["source"] = redact(d["source"])
+    return shown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from datacache.redact import install_scrub_filter, redact_text
+
+    install_scrub_filter()  # every log line: URL passwords and the secrets read so far masked
     from cache_daemon.daemon_config import DEFAULT_CONFIG, DatasetSpec, load_config
     from datacache.config import ConfigError
 
@@ -82,9 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       for s in args.dataset)
         cfg = replace(cfg, datasets=cfg.datasets + extra)
         if args.check:
-            shown = asdict(cfg)
-            shown["api_token"] = "<set>" if cfg.api_token else ""  # never print the secret itself
-            print(json.dumps(shown, indent=1, default=str))
+            print(json.dumps(shown_config(cfg), indent=1, default=str))
             return 0
         from cache_daemon.heap import limit_heap_growth
         from cache_daemon.service import Daemon
@@ -93,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("cache_daemon").info("allocator: %s", tuned or "left as is")
         daemon = Daemon(cfg, progress=False if args.no_progress else None)
     except ConfigError as e:
-        print(f"datacache-daemon: config error: {e}", file=sys.stderr)
+        print(f"datacache-daemon: config error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     return daemon.run(once=args.once)
 

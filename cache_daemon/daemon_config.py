@@ -19,6 +19,7 @@ Example (``deploy/daemon.toml`` is the documented template)::
     api_token_file = "/etc/datacache/api-token"  # or api_token = "..."; needed for POST/DELETE /datasets
     allowed_sources = ["/mnt/nfs/imagenet"]      # URL prefixes that POST /datasets may register from
     max_registrations = 16                       # registrations kept in Redis at most
+    record_key_file = "/etc/datacache/record-key"  # optional: keyed MAC on records (trainers use the same)
 
     [[datasets]]
     source = "/mnt/nfs/imagenet/train"
@@ -45,8 +46,11 @@ import urllib.parse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from datacache.cacheurl import parse_bytes, parse_cache_url
+from datacache.cacheurl import parse_cache_url
 from datacache.config import ConfigError, Variant
+from datacache.options import choice, parse_hostport, parse_size
+from datacache.redact import redact, register_secret
+from datacache.secretfile import read_secret_file
 
 OWNERSHIP_CHOICES = ("cluster", "hash", "all")
 DECODER_CHOICES = ("pillow", "dali")
@@ -54,13 +58,15 @@ ENV_PREFIX = "DATACACHE_DAEMON_"
 DEFAULT_CONFIG = "/etc/datacache/daemon.toml"
 SHORT_SIDE_MAX = 2048  # a 2048-px raw record is ~25 MB; larger is a mistake, not a variant
 MAX_REGISTRATIONS_MAX = 1024
+BYTES = {"kind": "bytes"}  # field metadata: a byte size (200GiB) in TOML and the environment
+SECRET_KEYS = ("api_token", "cache")  # values never echoed in an error (the cache URL may hold a password)
 
 
 def normalize_source(url: str) -> tuple[str, str, str]:
     """(scheme, host, path) of a source for prefix checks: local paths resolved (``..``, symlinks),
     URL paths normalised (``..`` removed), scheme and host lower-cased. Raises ConfigError for junk."""
     if not isinstance(url, str) or not url or "\x00" in url:
-        raise ConfigError(f"source {url!r} must be a non-empty path or URL")
+        raise ConfigError(f"source {redact(url)!r} must be a non-empty path or URL")
     if "://" not in url or url.startswith("file://"):
         path = url[len("file://"):] if url.startswith("file://") else url
         return "file", "", os.path.realpath(os.path.abspath(path))
@@ -69,11 +75,11 @@ def normalize_source(url: str) -> tuple[str, str, str]:
         host = (u.hostname or "").lower()
         port = f":{u.port}" if u.port is not None else ""
     except ValueError as e:
-        raise ConfigError(f"source {url!r} is not a valid URL ({e})") from None
+        raise ConfigError(f"source {redact(url)!r} is not a valid URL ({e})") from None
     if "%" in u.path or "\\" in u.path or ";" in u.path:
         # a server may decode %2e%2e / %2f (or treat "\\" or ";" specially) after our check: refuse them
-        raise ConfigError(f"source {url!r}: percent-encoded characters, backslashes and ';' parameters are "
-                          "not allowed in a source URL's path (write the path plainly)")
+        raise ConfigError(f"source {redact(url)!r}: percent-encoded characters, backslashes and ';' "
+                          "parameters are not allowed in a source URL's path (write the path plainly)")
     path = posixpath.normpath("/" + u.path.lstrip("/")) if u.path else "/"
     return u.scheme.lower(), host + port, path.replace("//", "/")
 
@@ -110,7 +116,8 @@ class DatasetSpec:
     @classmethod
     def from_dict(cls, d: Any, where: str) -> DatasetSpec:
         if not isinstance(d, dict):
-            raise ConfigError(f"{where}: a dataset must be a table with source = \"...\", got {d!r}")
+            raise ConfigError(f"{where}: a dataset must be a table with source = \"...\", got a "
+                              f"{type(d).__name__}")
         valid = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - valid)
         if unknown:
@@ -131,10 +138,7 @@ class DatasetSpec:
 
         for key, default, choices in (("encoding", "raw", ENCODING_CHOICES),
                                       ("revalidate", "dirs", REVALIDATE_CHOICES)):
-            value = d.get(key, default)
-            if not isinstance(value, str) or value not in choices:
-                raise ConfigError(f"{where}: dataset key {key!r} = {value!r} is not valid; choose one of "
-                                  f"{', '.join(choices)}")
+            choice(f"{where}: dataset key {key}", d.get(key, default), choices)
         return cls(source=d["source"], short_side=short, encoding=d.get("encoding", "raw"),
                    revalidate=d.get("revalidate", "dirs"))
 
@@ -151,7 +155,7 @@ class DaemonConfig:
     world_size: int = 1
     workers: int = 0  # 0 = all cores
     decoder: str = "pillow"
-    memory_budget: int = 0  # bytes; 0 = the master's maxmemory (or no budget)
+    memory_budget: int = field(default=0, metadata=BYTES)  # 0 = the master's maxmemory (or no budget)
     http_host: str = "127.0.0.1"
     http_port: int = 8470
     poll_interval: float = 30.0
@@ -159,9 +163,10 @@ class DaemonConfig:
     drain_timeout: float = 30.0  # seconds SIGTERM waits for the drain before it kills the decode pool
     verify_interval: float = 600.0  # seconds an idle pass may trust "nothing removed" (0 = check every key)
     t1_dir: str = "default"
-    t1_max_bytes: int = 0
+    t1_max_bytes: int = field(default=0, metadata=BYTES)
     api_token: str = field(default="", repr=False)
     api_token_file: str = ""
+    record_key_file: str = ""  # secret for the records' keyed MAC (datacache.record); "" = unkeyed xxh3
     allowed_sources: tuple[str, ...] = ()
     max_registrations: int = 16
     datasets: tuple[DatasetSpec, ...] = ()
@@ -171,10 +176,11 @@ class DaemonConfig:
             raise ConfigError("daemon config: key 'cache' is required (e.g. cache = "
                               "\"redis+cluster://10.0.0.1:7000,10.0.0.2:7000\")")
         spec = parse_cache_url(self.cache)
+        _refuse_placeholder_password(self.cache)
         own = self.ownership or ("cluster" if spec.tiers[-1].scheme == "redis+cluster" else "all")
         object.__setattr__(self, "ownership", own)
-        _choice("ownership", own, OWNERSHIP_CHOICES)
-        _choice("decoder", self.decoder, DECODER_CHOICES)
+        choice("daemon config: key ownership", own, OWNERSHIP_CHOICES)
+        choice("daemon config: key decoder", self.decoder, DECODER_CHOICES)
         if own == "cluster" and spec.tiers[-1].scheme != "redis+cluster":
             raise ConfigError("daemon config: ownership = \"cluster\" needs a redis+cluster:// cache; "
                               f"got {spec.url} (use ownership = \"hash\" with rank/world_size, or \"all\")")
@@ -198,11 +204,13 @@ class DaemonConfig:
         for name in ("node", "http_host"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"daemon config: key {name!r} must be a non-empty string")
+        from datacache.fillstatus import MAX_NODE_NAME
+
+        if len(self.node.encode("utf-8", "replace")) > MAX_NODE_NAME:  # readers drop longer report names
+            raise ConfigError(f"daemon config: key 'node' must be at most {MAX_NODE_NAME} bytes (it names "
+                              f"this daemon's fill reports), got {len(self.node.encode('utf-8', 'replace'))}")
         if self.redis_node:
-            host, _, port = self.redis_node.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-                raise ConfigError(f"daemon config: key 'redis_node' must be host:port with a port in "
-                                  f"1..65535, got {self.redis_node!r}")
+            parse_hostport(self.redis_node, "daemon config: key 'redis_node'")
         v = self.poll_interval
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"daemon config: key 'poll_interval' must be a finite number of seconds > 0, "
@@ -223,29 +231,45 @@ class DaemonConfig:
         # api_token (e.g. from DATACACHE_DAEMON_API_TOKEN) wins over api_token_file; the file's token is
         # stored in api_token, so dataclasses.replace() keeps it without reading the file again
         if self.api_token_file and not self.api_token:
-            try:
-                with open(self.api_token_file, encoding="utf-8") as f:
-                    token = f.read(4097).strip()
-            except (OSError, ValueError) as e:  # ValueError: undecodable text or a NUL in the path
-                raise ConfigError(f"daemon config: key 'api_token_file': cannot read {self.api_token_file} "
-                                  f"({type(e).__name__}); create it with a random token") from None
+            token = read_secret_file(self.api_token_file, what="daemon config: key 'api_token_file'")
             object.__setattr__(self, "api_token", token)
+        register_secret(self.api_token)  # masked in any log line that quotes it (datacache.redact)
         if self.api_token and not 16 <= len(self.api_token) <= 4096:
             raise ConfigError("daemon config: the API token must be 16..4096 characters "
                               "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        if self.record_key_file:  # read and checked at start (ConfigError naming the file, never the key)
+            from datacache.record import load_record_key
+
+            try:
+                load_record_key(self.record_key_file)
+            except ConfigError as e:
+                raise ConfigError(f"daemon config: key 'record_key_file': {e}") from None
 
 
-def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"daemon config: {key} = {value!r} is not valid; choose one of "
-                          f"{', '.join(choices)}")
+def _refuse_placeholder_password(cache: str) -> None:
+    """A template's placeholder password (``CHANGE_ME``, inline or in the ``?password_file=``) never runs:
+    ConfigError naming the key and how to generate real ones (never the password itself)."""
+    from datacache.redis_roles import placeholder_password
+
+    try:
+        tier = placeholder_password(cache)
+    except ConfigError as e:  # the password file cannot be read: say which key it came from
+        raise ConfigError(f"daemon config: key 'cache': {e} (the cluster's passwords come from `python -m "
+                          "datacache.make_secrets DIR`: the daemons use DIR/datacache-daemon.pass)") from None
+    if tier:
+        raise ConfigError(f"daemon config: key 'cache': the Redis password of {tier} is a template "
+                          "placeholder (it contains CHANGE_ME); generate real ones with `python -m "
+                          "datacache.make_secrets /etc/datacache/secrets` and name the daemons' file instead "
+                          "of a password: cache = "
+                          "\"redis+cluster://datacache-daemon@h1:7000,h2:7000?password_file=/etc/datacache/"
+                          "secrets/datacache-daemon.pass\"")
 
 
-_KINDS = {"cache": str, "node": str, "redis_node": str, "ownership": str, "rank": int, "world_size": int,
-          "workers": int, "decoder": str, "memory_budget": "bytes", "http_host": str, "http_port": int,
-          "poll_interval": float, "t1_dir": str, "t1_max_bytes": "bytes", "pass_timeout": float,
-          "drain_timeout": float, "verify_interval": float, "api_token": str, "api_token_file": str,
-          "allowed_sources": "list", "max_registrations": int}
+# The TOML / environment kind of every top-level key, derived from DaemonConfig's fields (their annotation,
+# or metadata["kind"] for byte sizes): a new field is a config key without being written down twice.
+_ANNOTATION_KINDS: dict[str, Any] = {"str": str, "int": int, "float": float, "tuple[str, ...]": "list"}
+_KINDS: dict[str, Any] = {f.name: f.metadata.get("kind") or _ANNOTATION_KINDS[str(f.type)]
+                          for f in fields(DaemonConfig) if f.name != "datasets"}
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
@@ -257,10 +281,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
                               f"got {value!r}")
         return tuple(x.strip() for x in items)
     if kind == "bytes":
-        try:
-            v = parse_bytes(str(value)) if not isinstance(value, bool) else None
-        except (ValueError, OverflowError):
-            v = None
+        v = parse_size(value)
         if v is None or v < 0:
             raise ConfigError(f"{where}: key {key!r} must be a byte size such as 200GiB or 1000000, "
                               f"got {value!r}")
@@ -276,7 +297,8 @@ def _coerce(key: str, value: Any, where: str) -> Any:
         except (ValueError, OverflowError):
             raise ConfigError(f"{where}: key {key!r} must be a number of seconds, got {value!r}") from None
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"{where}: key {key!r} must be {kind.__name__}, got {value!r}")
+        got = f"a {type(value).__name__}" if key in SECRET_KEYS else repr(value)  # never echo a secret
+        raise ConfigError(f"{where}: key {key!r} must be {kind.__name__}, got {got}")
     return value
 
 

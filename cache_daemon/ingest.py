@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import posixpath
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +46,13 @@ from cache_daemon.ownership import Owned, owned_indices
 from cache_daemon.presence import Stamp, take_stamp
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
+from datacache.confine import redirect_guard_options
 from datacache.decodepool import DecodePool, WorkerLost
 from datacache.fillstatus import report_fill
-from datacache.manifest import Manifest
+from datacache.manifest import LIST_EXTENSIONS, Manifest
 from datacache.quarantine_summary import QuarantineSummary
 from datacache.readthrough import ReadThrough, manifest_dir_for
+from datacache.redact import redact, redact_text
 from datacache.warm import WarmReport, fill_missing, missing_in
 
 log = logging.getLogger("cache_daemon.ingest")
@@ -56,8 +60,19 @@ REPORT_EVERY_S = 1.0
 
 
 @dataclass
+class PassMemo:
+    """What one pass leaves for the next -- kept apart from what is reported (never in ``/status``)."""
+
+    manifest: Manifest | None = None  # the last pass's (revalidated in memory by the next)
+    owned: Owned | None = None  # the last pass's ownership answer (reused while slots are unchanged)
+    # (stamp, prefix, ownership digest, monotonic time) of the last pass that found nothing missing
+    verified: tuple[Stamp, bytes, bytes, float] | None = None
+
+
+@dataclass
 class DatasetState:
-    """What the daemon knows about one dataset (``/status`` and ``/metrics`` read it)."""
+    """What the daemon reports about one dataset (``/status`` and ``/metrics`` read it), and its
+    :class:`PassMemo`."""
 
     spec: DatasetSpec
     status: str = "pending"  # pending | listing | filling | full | budget | error
@@ -73,11 +88,15 @@ class DatasetState:
     error: str = ""
     quarantined: QuarantineSummary = field(default_factory=QuarantineSummary)  # bounded, whatever the count
     variant_tag: str = ""  # the tag filled (its decoder family is the daemon decoder's), set by a pass
-    manifest: Manifest | None = field(default=None, repr=False)  # the last pass's (revalidated next pass)
-    owned_cache: Owned | None = field(default=None, repr=False)  # the last pass's ownership answer
-    # (stamp, prefix, ownership digest, monotonic time) of the last pass that found nothing missing
-    verified: tuple[Stamp, bytes, bytes, float] | None = field(default=None, repr=False)
     shortcut_passes: int = 0  # passes that skipped the per-key check (nothing removed since)
+    # from the registry (POST /datasets), not the config file: confined to allowed_sources (confine_for)
+    registered: bool = False
+    memo: PassMemo = field(default_factory=PassMemo, repr=False)
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The last pass's manifest (``memo.manifest``)."""
+        return self.memo.manifest
 
     @property
     def fill(self) -> float:
@@ -85,7 +104,7 @@ class DatasetState:
 
     def as_json(self) -> dict[str, Any]:
         tag = self.variant_tag or self.spec.variant().tag()
-        return {"source": self.spec.source, "variant": tag, "status": self.status,
+        return {"source": redact(self.spec.source), "variant": tag, "status": self.status,
                 "fingerprint": self.fingerprint, "total": self.total, "owned": self.owned, "done": self.done,
                 "fill": round(self.fill, 6), "decoded": self.decoded, "rate": round(self.rate, 1),
                 "bytes_read": self.bytes_read, "write_errors": self.write_errors, "passes": self.passes,
@@ -93,6 +112,17 @@ class DatasetState:
                 "quarantined_count": len(self.quarantined),
                 "quarantined_by_reason": dict(self.quarantined.by_reason),
                 "quarantined": dict(self.quarantined.examples)}  # the first few, with their reasons
+
+
+@dataclass
+class _Pass:
+    """One pass's working set, from :func:`_prepare` to :func:`_settle`."""
+
+    reader: ReadThrough
+    tag: str
+    own: Owned
+    stamp: Stamp | None
+    store_spec: Any  # the StoreSpec the decode workers write to
 
 
 class _Stop:
@@ -116,14 +146,14 @@ def node_memory(cfg: DaemonConfig, store: Any) -> tuple[int, int]:
     that can never be measured must never block (nor mark) filling. ``memory_budget`` is then
     ignored; Redis still refuses writes at its own ``maxmemory`` (counted as write errors).
     """
-    backend = getattr(store, "backend", "")
-    if backend == "redis-cluster" and cfg.redis_node:
-        client = store.client(cfg.redis_node)
-    elif backend == "redis":
-        client = store.client()
+    masters = store.masters()
+    if store.sharded:
+        addr = cfg.redis_node
     else:
+        addr = masters[0] if len(masters) == 1 else ""
+    if not addr:
         return 0, 0
-    mem = client.info("memory")
+    mem = store.node_client(addr).info("memory")
     budget = cfg.memory_budget or int(mem.get("maxmemory", 0))
     return int(mem.get("used_memory", 0)), budget
 
@@ -131,110 +161,166 @@ def node_memory(cfg: DaemonConfig, store: Any) -> tuple[int, int]:
 def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: Any, stop: threading.Event,
                 progress: bool | None = None, pool: DecodePool | None = None,
                 watch: Watchdog | None = None) -> WarmReport | None:
-    """One pass over ``state.spec`` (see the module docstring); never raises (errors go to ``state``).
+    """One pass over ``state.spec`` (see the module docstring): :func:`_prepare`, then either
+    :func:`_shortcut` or :func:`_fill` and :func:`_settle`. Never raises (errors go to ``state``).
 
     ``pool``: the daemon's long-lived decode pool (without one, a pass that has work forks its own);
     a worker that died mid-pass fails the pass and the pool is discarded (a fresh one next time).
     ``watch``: told how much the pass owns, so a derived deadline grows with the work."""
-    spec = parse_cache_url(cfg.cache)
     try:
-        state.status = "listing"
-        persist = manifest_dir_for(spec)
-        if state.manifest is None:
-            list_in_child(state.spec, persist, stop)  # the first listing: see list_in_child
-        # the previous pass's manifest is revalidated in memory: no re-read of the persisted copy
-        man = Manifest.build(state.spec.source, persist_dir=persist, revalidate=state.spec.revalidate,
-                             reuse=state.manifest)
-        state.manifest = man
-        variant = variant_for(state.spec.variant(), decoder)  # the decoder's family: keys never mix
-        state.variant_tag = variant.tag()
-        reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,
-                             t1_max_bytes=cfg.t1_max_bytes or None)
-        state.fingerprint, state.total = man.fingerprint, len(man)
-        own = owned_indices(cfg, store, reader.prefix, len(man), state.owned_cache)
-        state.owned_cache = own
-        state.owned = own.count
-        stamp = _stamp(cfg, store, own)  # before any check: a removal after it shows as a change
-        if _nothing_removed(cfg, state, own, stamp):
-            assert stamp is not None
-            state.verified = (stamp, own.prefix, own.digest, state.verified[3])  # type: ignore[index]
-            state.done, state.passes, state.status, state.error = state.owned, state.passes + 1, "full", ""
-            state.shortcut_passes += 1
-            log.debug("%s %s: pass %d: nothing removed since the last check: %d owned samples present",
-                      state.spec.source, variant.tag(), state.passes, state.owned)
-            _report(cfg, state, store, variant.tag())
-            return WarmReport(total=own.count, skipped=own.count)
-        mine = own.indices  # (int64, a third of the dataset on 3 nodes: held only while this pass runs)
+        work = _prepare(cfg, state, store, decoder, stop)
+        if _nothing_removed(cfg, state, work.own, work.stamp):
+            return _shortcut(cfg, state, store, work)
         if watch is not None:
-            watch.work(len(mine))
-        halt = _Stop(stop)
-        last = [0.0]
-        seen_q = [0]  # entries of the fill report's quarantine already added to the summary
-        t0 = time.monotonic()
-
-        def on_chunk(rep: WarmReport) -> None:
-            state.decoded, state.bytes_read = base_decoded + rep.decoded, base_bytes + rep.bytes_read
-            if len(rep.quarantined) > seen_q[0]:  # only the new ones (the report's dict only grows)
-                state.quarantined.add(dict(itertools.islice(rep.quarantined.items(), seen_q[0], None)))
-                seen_q[0] = len(rep.quarantined)
-            state.done = rep.skipped + rep.written + len(rep.quarantined)
-            state.rate = (rep.decoded + len(rep.quarantined)) / max(1e-6, time.monotonic() - t0)
-            used, budget = node_memory(cfg, store)  # one INFO per written chunk
-            if budget and used >= budget:
-                halt.budget = True
-            if time.monotonic() - last[0] >= REPORT_EVERY_S:
-                last[0] = time.monotonic()
-                _report(cfg, state, store, variant.tag())
-
-        base_decoded, base_bytes = state.decoded, state.bytes_read
-        used, budget = node_memory(cfg, store)
-        if budget and used >= budget:
-            halt.budget = True  # MinIO policy: the node keeps what it has, nothing more is filled
-        state.status = "filling"
-        rep = None
-        if not halt.budget:
-            rep = fill_missing(reader, mine, workers=cfg.workers or None, decoder=decoder,
-                               progress=sys.stderr.isatty() if progress is None else progress, stop=halt,
-                               on_chunk=on_chunk, store=store, store_spec=spec.tiers[-1], pool=pool,
-                               desc=f"{cfg.node} {variant.tag()}")
-            state.write_errors += rep.write_errors
-            state.quarantined.add(rep.quarantined)
-        # nothing was missing when the fill looked: no second round trip (a full dataset's pass is cheap)
-        missing = 0 if rep is not None and rep.skipped == len(mine) else len(missing_in(reader, store, mine))
-        used, budget = node_memory(cfg, store)
-        refused = rep is not None and rep.write_errors > 0  # Redis answered OOM: the node is at its budget
-        halt.budget = halt.budget or bool(budget and missing and (refused or used >= 0.98 * budget))
-        state.done = state.owned - missing
-        state.passes += 1
-        # every owned sample was seen present after the stamp was taken: later passes may trust it
-        state.verified = (None if missing or stamp is None
-                          else (stamp, own.prefix, own.digest, time.monotonic()))
-        state.status = "full" if not missing else ("budget" if halt.budget else "filling")
-        if halt.budget and missing:
-            log.warning("%s: node %s reached its memory budget (%d of %d bytes): %d of %d owned samples stay "
-                        "uncached and are served from the source (MinIO policy)", state.spec.source, cfg.node,
-                        used, budget, missing, state.owned)
-        state.error = ""
-        log.info("%s %s: pass %d: owned %d, cached %d, decoded %d, skipped %d (already cached), status %s",
-                 state.spec.source, variant.tag(), state.passes, state.owned, state.done,
-                 rep.decoded if rep else 0, rep.skipped if rep else 0, state.status)
-        _report(cfg, state, store, variant.tag())
+            watch.work(work.own.count)
+        rep, at_budget = _fill(cfg, state, store, work, decoder=decoder, stop=stop, progress=progress,
+                               pool=pool)
+        _settle(cfg, state, store, work, rep, at_budget)
         return rep
     except Exception as e:  # a pass that fails is reported and retried on the next poll, never fatal
         if isinstance(e, WorkerLost) and pool is not None:
             pool.discard()  # its lost chunk would never come back; the next pass forks a fresh pool
-        state.status, state.error = "error", f"{type(e).__name__}: {e}"
-        state.verified = None  # the next pass checks every key
+        state.status, state.error = "error", redact_text(f"{type(e).__name__}: {e}")[:1000]
+        state.memo.verified = None  # the next pass checks every key
         log.warning("%s: fill pass failed (%s); retried in %.0f s", state.spec.source, state.error,
                     cfg.poll_interval)
         return None
 
 
+def _prepare(cfg: DaemonConfig, state: DatasetState, store: Any, decoder: Any,
+             stop: threading.Event) -> _Pass:
+    """List (first pass: in a child process) or revalidate the source, build the confined reader, ask
+    which indices this node owns and take the presence stamp (before any check: a removal after it shows
+    as a change)."""
+    spec = parse_cache_url(cfg.cache)
+    state.status = "listing"
+    persist = manifest_dir_for(spec)
+    allow = confine_for(cfg, state)  # listing: HTTP redirects followed only under these
+    if state.memo.manifest is None:
+        list_in_child(state.spec, persist, stop, allow=allow)  # the first listing: see list_in_child
+    # the previous pass's manifest is revalidated in memory: no re-read of the persisted copy
+    man = Manifest.build(state.spec.source, persist_dir=persist, revalidate=state.spec.revalidate,
+                         reuse=state.memo.manifest,
+                         storage_options=redirect_guard_options(state.spec.source, allow=allow))
+    state.memo.manifest = man
+    variant = variant_for(state.spec.variant(), decoder)  # the decoder's family: keys never mix
+    state.variant_tag = variant.tag()
+    reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,
+                         t1_max_bytes=cfg.t1_max_bytes or None,
+                         record_key_file=cfg.record_key_file or None,  # MACs records and quarantine
+                         confine=confine_for(cfg, state, man.root))  # every file, every read
+    state.fingerprint, state.total = man.fingerprint, len(man)
+    own = owned_indices(cfg, store, reader.prefix, len(man), state.memo.owned)
+    state.memo.owned = own
+    state.owned = own.count
+    return _Pass(reader, variant.tag(), own, _stamp(cfg, store, own), spec.tiers[-1])
+
+
+def _shortcut(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass) -> WarmReport:
+    """The idle pass: nothing was removed since every owned sample was last seen present."""
+    assert work.stamp is not None and state.memo.verified is not None
+    state.memo.verified = (work.stamp, work.own.prefix, work.own.digest, state.memo.verified[3])
+    state.done, state.passes, state.status, state.error = state.owned, state.passes + 1, "full", ""
+    state.shortcut_passes += 1
+    log.debug("%s %s: pass %d: nothing removed since the last check: %d owned samples present",
+              state.spec.source, work.tag, state.passes, state.owned)
+    _report(cfg, state, store, work.tag)
+    return WarmReport(total=work.own.count, skipped=work.own.count)
+
+
+def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, decoder: Any,
+          stop: threading.Event, progress: bool | None, pool: DecodePool | None
+          ) -> tuple[WarmReport | None, bool]:
+    """Decode and write what this node owns and lacks, unless the node is at its memory budget (checked
+    before and after every written chunk); reports about once a second. ``(report or None when nothing
+    was filled, at the budget)``."""
+    mine = work.own.indices  # (int64, a third of the dataset on 3 nodes: held only while this pass runs)
+    halt = _Stop(stop)
+    last = [0.0]
+    seen_q = [0]  # entries of the fill report's quarantine already added to the summary
+    base_decoded, base_bytes = state.decoded, state.bytes_read
+    t0 = time.monotonic()
+
+    def on_chunk(rep: WarmReport) -> None:
+        state.decoded, state.bytes_read = base_decoded + rep.decoded, base_bytes + rep.bytes_read
+        if len(rep.quarantined) > seen_q[0]:  # only the new ones (the report's dict only grows)
+            state.quarantined.add(dict(itertools.islice(rep.quarantined.items(), seen_q[0], None)))
+            seen_q[0] = len(rep.quarantined)
+        state.done = rep.skipped + rep.written + len(rep.quarantined)
+        state.rate = (rep.decoded + len(rep.quarantined)) / max(1e-6, time.monotonic() - t0)
+        used, budget = node_memory(cfg, store)  # one INFO per written chunk
+        if budget and used >= budget:
+            halt.budget = True
+        if time.monotonic() - last[0] >= REPORT_EVERY_S:
+            last[0] = time.monotonic()
+            _report(cfg, state, store, work.tag)
+
+    used, budget = node_memory(cfg, store)
+    if budget and used >= budget:
+        halt.budget = True  # MinIO policy: the node keeps what it has, nothing more is filled
+    state.status = "filling"
+    if halt.budget:
+        return None, True
+    rep = fill_missing(work.reader, mine, workers=cfg.workers or None, decoder=decoder,
+                       progress=sys.stderr.isatty() if progress is None else progress, stop=halt,
+                       on_chunk=on_chunk, store=store, store_spec=work.store_spec, pool=pool,
+                       desc=f"{cfg.node} {work.tag}")
+    state.write_errors += rep.write_errors
+    state.quarantined.add(rep.quarantined)
+    return rep, halt.budget
+
+
+def _settle(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, rep: WarmReport | None,
+            at_budget: bool) -> None:
+    """Count what is still missing, decide the status (full / budget / filling), remember whether the
+    next pass may take the shortcut, log and report."""
+    mine = work.own.indices
+    # nothing was missing when the fill looked: no second round trip (a full dataset's pass is cheap)
+    missing = 0 if rep is not None and rep.skipped == len(mine) else len(missing_in(work.reader, store, mine))
+    used, budget = node_memory(cfg, store)
+    refused = rep is not None and rep.write_errors > 0  # Redis answered OOM: the node is at its budget
+    at_budget = at_budget or bool(budget and missing and (refused or used >= 0.98 * budget))
+    state.done = state.owned - missing
+    state.passes += 1
+    # every owned sample was seen present after the stamp was taken: later passes may trust it
+    state.memo.verified = (None if missing or work.stamp is None
+                           else (work.stamp, work.own.prefix, work.own.digest, time.monotonic()))
+    state.status = "full" if not missing else ("budget" if at_budget else "filling")
+    if at_budget and missing:
+        log.warning("%s: node %s reached its memory budget (%d of %d bytes): %d of %d owned samples stay "
+                    "uncached and are served from the source (MinIO policy)", state.spec.source, cfg.node,
+                    used, budget, missing, state.owned)
+    state.error = ""
+    log.info("%s %s: pass %d: owned %d, cached %d, decoded %d, skipped %d (already cached), status %s",
+             state.spec.source, work.tag, state.passes, state.owned, state.done,
+             rep.decoded if rep else 0, rep.skipped if rep else 0, state.status)
+    _report(cfg, state, store, work.tag)
+
+
 LIST_CODE = ("import sys\nfrom datacache.manifest import Manifest\n"
-             "Manifest.build(sys.argv[1], persist_dir=sys.argv[2], revalidate=sys.argv[3])\n")
+             "from datacache.confine import redirect_guard_options\n"
+             "opts = redirect_guard_options(sys.argv[1], allow=sys.argv[4:] or None)\n"
+             "Manifest.build(sys.argv[1], persist_dir=sys.argv[2], revalidate=sys.argv[3],\n"
+             "               storage_options=opts)\n")
 
 
-def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event) -> bool:
+def confine_for(cfg: DaemonConfig, state: DatasetState, root: str | None = None) -> tuple[str, ...]:
+    """The prefixes every file of ``state``'s dataset must really lie under (``Source(confine=)``), and
+    HTTP redirects may lead to: a dataset registered over HTTP (``state.registered``), ``allowed_sources``
+    only; one from the config file, its own root (``root``: the manifest's; by default the source, or a
+    file list's directory) plus ``allowed_sources`` -- so a symlink farm whose links point elsewhere needs
+    those targets in ``allowed_sources``."""
+    if state.registered:  # (a registration equal to a config entry keeps the config's state: service.py)
+        return tuple(cfg.allowed_sources)
+    spec = state.spec
+    if root is None:
+        bare = spec.source.split("?", 1)[0].rstrip("/")
+        root = posixpath.dirname(bare) if bare.lower().endswith(LIST_EXTENSIONS) else spec.source
+    return (root, *cfg.allowed_sources)
+
+
+def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event,
+                  allow: Sequence[str] = ()) -> bool:
     """List (or revalidate) ``spec``'s source in a short-lived child process that persists the manifest,
     so this long-lived daemon only *loads* it. Listing in-process churns through ~1 KB of short-lived
     fsspec objects per file and leaves tens of MB more resident than the manifest at ImageNet scale for
@@ -245,7 +331,8 @@ def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event) ->
     Process boundary: ``subprocess`` (fork + exec of this interpreter, safe beside the daemon's
     threads); the child is killed when ``stop`` is set (SIGTERM of the daemon), and its output is kept
     only for the log (never file contents: the listing reads names and sizes only)."""
-    cmd = [sys.executable, "-c", LIST_CODE, spec.source, persist_dir, spec.revalidate]
+    # allow: where HTTP redirects may lead (datacache.confine.redirect_guard_options; () = under the source)
+    cmd = [sys.executable, "-c", LIST_CODE, spec.source, persist_dir, spec.revalidate, *allow]
     # stderr to a file, not a pipe: a child writing more than a pipe holds would block while we wait
     with tempfile.TemporaryFile() as errf:
         try:
@@ -282,7 +369,7 @@ def _stamp(cfg: DaemonConfig, store: Any, own: Owned) -> Stamp | None:
 
 def _nothing_removed(cfg: DaemonConfig, state: DatasetState, own: Owned, stamp: Stamp | None) -> bool:
     """Whether this pass may skip the per-key check (see :mod:`cache_daemon.presence`)."""
-    v = state.verified
+    v = state.memo.verified
     if stamp is None or v is None:  # (``verified`` is set only by a pass that found nothing missing)
         return False
     old, prefix, digest, when = v

@@ -108,12 +108,10 @@ def server_stamp(client: Any, addr: str, slots: Sequence[int] | None) -> ServerS
 def take_stamp(cfg: DaemonConfig, store: Any, owned_slots: np.ndarray | None) -> Stamp | None:
     """The stamp of the servers holding this daemon's keys now, or None when the store has none
     (LMDB, memory) -- then every pass checks every key."""
-    backend = getattr(store, "backend", "")
-    if backend == "redis":
-        return Stamp((server_stamp(store.client(), store.addr, None),))
-    if backend != "redis-cluster":
+    masters = store.masters()
+    if not masters:
         return None
-    if cfg.ownership == "cluster" and owned_slots is not None:
-        return Stamp((server_stamp(store.client(cfg.redis_node), cfg.redis_node, owned_slots),))
-    # hash / all ownership over a cluster: this daemon's keys are on every master
-    return Stamp(tuple(server_stamp(store.client(a), a, None) for a in sorted(store.masters())))
+    if store.sharded and cfg.ownership == "cluster" and owned_slots is not None:
+        return Stamp((server_stamp(store.node_client(cfg.redis_node), cfg.redis_node, owned_slots),))
+    # one server, or hash / all ownership over a cluster (this daemon's keys are on every master)
+    return Stamp(tuple(server_stamp(store.node_client(a), a, None) for a in sorted(masters)))

@@ -11,7 +11,9 @@ handled in Python's main thread, which therefore never blocks on a pool, a queue
 pass of every dataset uses the daemon's **one decode pool** (:class:`~datacache.decodepool.DecodePool`),
 forked on the first pass that has something to decode and closed at shutdown; a pass over a full
 dataset starts no process. A :class:`~cache_daemon.watchdog.Watchdog` gives each pass a deadline
-(``pass_timeout``); a pass past it makes ``/health`` answer 503 naming the dataset and since when.
+(``pass_timeout``); a pass past it makes ``/livez`` (and ``/health``) answer 503 naming the dataset and
+since when. Liveness (:meth:`Daemon.liveness`, this process's loop) is apart from readiness
+(:meth:`Daemon.readiness`, this node's own store): another node's master being down fails neither.
 
 Signals: the first SIGTERM/SIGINT sets the stop event -- the pass in progress stops submitting chunks,
 finishes and writes the chunks in flight (drain), the pool's workers exit, and :meth:`Daemon.run`
@@ -42,11 +44,15 @@ from cache_daemon.registry import register, registered, unregister
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
 from datacache.config import ConfigError
+from datacache.confine import redirect_guard_options
 from datacache.decodepool import DecodePool
 from datacache.fillstatus import read_fill, summarize
+from datacache.manifest import ManifestError, validate_file_list
+from datacache.redact import redact, redact_text
+from datacache.stores import open_store
 
 log = logging.getLogger("cache_daemon")
-FAILED_ROUNDS_UNHEALTHY = 3  # consecutive rounds that failed before any pass: /health turns 503
+FAILED_ROUNDS_UNHEALTHY = 3  # consecutive rounds that failed before any pass: /livez (and /health) 503
 EXIT_FORCED = 3  # SIGTERM's drain did not finish in drain_timeout (or a second signal): pool killed
 
 
@@ -57,7 +63,7 @@ class Daemon:
         self.cfg = cfg
         self.progress = progress
         spec = parse_cache_url(cfg.cache, check=True)  # wrong credentials: a clear error now
-        self.store = spec.tiers[-1].open()  # the shared tier itself: synchronous, acknowledged writes
+        self.store = open_store(spec.tiers[-1])  # the shared tier itself: synchronous, acknowledged writes
         self.stop = threading.Event()
         self.wake = threading.Event()
         self.lock = threading.Lock()
@@ -70,6 +76,8 @@ class Daemon:
         self.pool = DecodePool(cfg.workers or None, worker_setup=decode_worker_heap)
         self.watch = Watchdog(cfg.pass_timeout, self.pool.workers)
         self.failed_rounds, self.round_error = 0, ""  # rounds that failed before their passes ran
+        self.registry_error = ""  # the last registry read's failure ("" = read fine): /status shows it
+        self.pass_thread: threading.Thread | None = None  # set by run(); /livez checks it is alive
 
     # ------------------------------------------------------------ used by the HTTP thread
     def snapshot(self) -> list[dict[str, Any]]:
@@ -77,6 +85,46 @@ class Daemon:
             return [s.as_json() for s in self.states.values()]
 
     def store_health(self) -> dict[str, Any]:
+        """The whole store (every master of a cluster): ``/metrics``' ``store_up``."""
+        return self.store.health()
+
+    def liveness(self) -> dict[str, Any]:
+        """``/livez``: is this daemon's own loop alive and not stuck? Asks no server (a store that is down
+        is readiness, not liveness: restarting the daemon would not bring it back). ``{"ok", "reason",
+        "loop"}``; not ok when the pass thread died (outside a shutdown), a pass is past its deadline, or
+        rounds failed before any pass ``FAILED_ROUNDS_UNHEALTHY`` times in a row."""
+        loop = self.loop_status()
+        reason = None
+        t = self.pass_thread  # (None before run(): a server made in-process without the loop is live)
+        if t is not None and not t.is_alive() and not self.stop.is_set():
+            reason = "the pass thread is not running (it died of an error: see the daemon's log)"
+        elif loop["stuck"]:
+            stuck = loop["stuck"]
+            reason = stuck["reason"] if isinstance(stuck, dict) else str(stuck)
+        return {"ok": reason is None, "reason": reason, "loop": loop}
+
+    def readiness(self) -> dict[str, Any]:
+        """``/readyz``: does this node's OWN store answer? With a Redis Cluster and ``redis_node``, that
+        master only is PINGed (another node's master being down does not make this node unready);
+        otherwise the store itself (``redis://``, ``lmdb://``, ``memory://``, a cluster without
+        ``redis_node``). The store's health dict (``ok``, ``detail``, ...)."""
+        from datacache.stores.redis_cluster import RedisClusterStore
+
+        if self.cfg.redis_node and isinstance(self.store, RedisClusterStore):
+            return self.store.node_health(self.cfg.redis_node)
+        return self.store.health()
+
+    def store_status(self) -> dict[str, Any]:
+        """``/status``' ``store``: a cluster's masters (up/down, slots each), masters down, slots uncovered;
+        another store's health. Never raises (a failure is the answer)."""
+        from datacache.stores.redis_cluster import RedisClusterStore
+
+        if isinstance(self.store, RedisClusterStore):
+            try:
+                return self.store.cluster_health()
+            except Exception as e:  # no node answers CLUSTER SLOTS
+                return {"ok": False, "url": self.store.url, "backend": self.store.backend,
+                        "detail": redact_text(f"{type(e).__name__}: {e}")[:500]}
         return self.store.health()
 
     def status(self) -> dict[str, Any]:
@@ -86,29 +134,41 @@ class Daemon:
                 d["cluster"] = summarize(read_fill(self.store, d["fingerprint"], d["variant"]), d["total"]) \
                     if d["fingerprint"] else None
             except Exception as e:
-                d["cluster"] = {"error": f"{type(e).__name__}: {e}"}
+                d["cluster"] = {"error": redact_text(f"{type(e).__name__}: {e}")[:500]}
         # source URLs are shown (operators need them); file contents never are (decode reasons carry sizes)
         return {"node": self.cfg.node, "cache": self.store.url, "ownership": self.cfg.ownership,
                 "redis_node": self.cfg.redis_node, "decoder": self.cfg.decoder,
                 "registration": {"enabled": bool(self.cfg.api_token and self.cfg.allowed_sources),
-                                 "allowed_sources": list(self.cfg.allowed_sources),
+                                 "allowed_sources": [redact(p) for p in self.cfg.allowed_sources],
                                  "max_registrations": self.cfg.max_registrations},
-                "datasets": datasets, "loop": self.loop_status()}
+                "datasets": datasets, "loop": self.loop_status(), "live": self.liveness()["ok"],
+                "ready": self.readiness()["ok"], "store": self.store_status(),
+                "registry": {"ok": not self.registry_error, "error": self.registry_error}}
 
     def register(self, body: Any) -> str:
         """Validate and register a dataset (POST /datasets); raises ConfigError with the reason. The
         source must lie under ``allowed_sources``; nothing is read or contacted before that check."""
         spec = DatasetSpec.from_dict(body, "POST /datasets")
+        if redact(spec.source) != spec.source:
+            # the registry (dcd:datasets) is readable by every cache client: no credential goes there
+            raise ConfigError("a source URL registered over HTTP must not carry a password (the registry is "
+                              "readable by every cache client); give the daemon its storage credentials "
+                              "through its environment or fsspec's configuration")
         if not self.cfg.allowed_sources:
             raise PermissionError("this daemon accepts no registrations over HTTP: allowed_sources is "
                                   "empty (list the permitted URL prefixes in daemon.toml, or add the dataset "
                                   "there)")
         if not source_allowed(spec.source, self.cfg.allowed_sources):
-            raise PermissionError(f"source {spec.source!r} is outside allowed_sources "
-                                  f"({', '.join(self.cfg.allowed_sources)})")
+            raise PermissionError(f"source {redact(spec.source)!r} is outside allowed_sources "
+                                  f"({', '.join(redact(p) for p in self.cfg.allowed_sources)})")
+        try:  # a .txt/.csv list (allowed by now) is read and checked line by line: 400 naming the line
+            validate_file_list(spec.source, storage_options=redirect_guard_options(
+                spec.source, allow=self.cfg.allowed_sources))
+        except ManifestError as e:
+            raise ConfigError(f"POST /datasets: {e}") from None
         register(self.store, spec, max_registrations=self.cfg.max_registrations)
-        with self.lock:
-            self.states.setdefault(spec.ident(), DatasetState(spec))
+        with self.lock:  # registered: confined to allowed_sources (cache_daemon.ingest.confine_for)
+            self.states.setdefault(spec.ident(), DatasetState(spec, registered=True))
         self.wake.set()
         log.info("registered %s", spec.ident())
         return spec.ident()
@@ -131,23 +191,25 @@ class Daemon:
         stop filling registered ones that were deleted (``DELETE /datasets/{id}`` on any daemon); the
         config file's datasets always stay. An unreachable registry raises (the round is retried) instead
         of reading as "every registration was deleted"."""
-        specs = registered(self.store, self.cfg.allowed_sources, strict=True)
+        # the cap holds on read too: entries written to Redis directly (not through POST) are bounded
+        specs = registered(self.store, self.cfg.allowed_sources, strict=True,
+                           max_registrations=self.cfg.max_registrations)
         keep = {d.ident() for d in self.cfg.datasets} | {s.ident() for s in specs}
         with self.lock:
             for spec in specs:
-                self.states.setdefault(spec.ident(), DatasetState(spec))
+                self.states.setdefault(spec.ident(), DatasetState(spec, registered=True))
             for ident in [i for i in self.states if i not in keep]:
                 log.info("dataset %s is no longer registered: not filled any more", ident)
                 del self.states[ident]
 
     # ------------------------------------------------------------ main loop
     def loop_status(self) -> dict[str, Any]:
-        """Liveness of the pass loop and the decode pool (``/status`` and ``/health`` show it)."""
+        """Liveness of the pass loop and the decode pool (``/status``, ``/livez`` and ``/health`` show it)."""
         out = self.watch.as_json()
         out["pool"] = {"created": self.pool.created, "workers": self.pool.workers, "pids": self.pool.pids()}
         out["failed_rounds"], out["round_error"] = self.failed_rounds, self.round_error
         if not out.get("stuck") and self.failed_rounds >= FAILED_ROUNDS_UNHEALTHY:
-            # no pass can start while every round fails before its passes: /health must say so
+            # no pass can start while every round fails before its passes: /livez must say so
             out["stuck"] = {"reason": f"{self.failed_rounds} rounds in a row failed before any pass: "
                                       f"{self.round_error}"}
         return out
@@ -178,7 +240,18 @@ class Daemon:
         """The pass thread (see the module docstring); returns when stopped or, with ``once``, done."""
         while not self.stop.is_set():
             try:
-                self._sync_registry()
+                try:
+                    self._sync_registry()
+                    self.registry_error = ""
+                except Exception as e:
+                    # The registry's master is down (or unreachable): keep the datasets known so far (the
+                    # config's and the last read's, none dropped) and run their passes -- this node's own
+                    # share does not depend on another master. Not a failed round: restarting the daemon
+                    # would not help (/livez stays 200); /status shows it under "registry".
+                    if not self.registry_error:
+                        log.warning("dataset registry unreadable (%s: %s): filling the datasets known so far",
+                                    type(e).__name__, redact_text(str(e))[:300])
+                    self.registry_error = redact_text(f"{type(e).__name__}: {e}")[:500]
                 with self.lock:
                     states = list(self.states.values())
                 worked = False
@@ -200,9 +273,9 @@ class Daemon:
                 if once and states and all(s.status in ("full", "budget") for s in states):
                     return
                 self.failed_rounds, self.round_error = 0, ""
-            except Exception as e:  # the registry could not be read (store down): next round retries
+            except Exception as e:  # an unexpected failure before the passes (a bug): next round retries
                 self.failed_rounds += 1
-                self.round_error = f"{type(e).__name__}: {e}"[:500]
+                self.round_error = redact_text(f"{type(e).__name__}: {e}")[:500]
                 log.warning("round failed (%s); retried in %s s", self.round_error, self._poll_wait())
             self.wake.wait(self._poll_wait())
             self.wake.clear()
@@ -255,6 +328,7 @@ class Daemon:
                 log.exception("the pass loop died")
 
         worker = threading.Thread(target=passes, name="datacache-daemon-passes", daemon=True)
+        self.pass_thread = worker  # /livez: 503 if it dies while the daemon is not stopping
         worker.start()
         if not self._supervise(worker):
             self._force_exit()

@@ -1,4 +1,8 @@
-"""The daemon's watchdog: a pass that outlives its deadline turns ``/health`` into a 503.
+"""The daemon's watchdog: a pass that outlives its deadline turns ``/livez`` (and ``/health``) into a 503.
+
+It is the liveness half of the daemon's checks: it reads only this process's clock and state, never a
+server, so a Redis node that is down (readiness, ``/readyz``) never makes it fire; a decode worker or a
+store call that hangs past the pass's deadline does.
 
 The pass thread reports to a :class:`Watchdog` (:meth:`~Watchdog.begin` a pass of a dataset,
 :meth:`~Watchdog.work` once it knows how many samples it owns, :meth:`~Watchdog.end`); the HTTP

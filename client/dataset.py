@@ -45,7 +45,9 @@ from datacache.columns import ArrayView, PairsView
 from datacache.config import ConfigError, Variant, default_cache_url
 from datacache.fillstatus import sample_missing, wait_until_warm
 from datacache.manifest import Manifest, check_revalidate
+from datacache.options import choice
 from datacache.readthrough import COUNTERS, SOURCE_FAILURE, Failure, ReadThrough, manifest_dir_for
+from datacache.record import load_record_key, resolve_record_key_file
 
 log = logging.getLogger("client.dataset")
 
@@ -76,6 +78,10 @@ class CachedImageNet(Dataset):
         t1_dir: T1 raw-bytes cache dir for remote sources (``"default"``, a path, or None).
         t1_max_bytes: size cap of T1 (LRU trim); None = no cap.
         storage_options: fsspec options for the source.
+        record_key_file: file holding the cache's record key (the daemons' ``record_key_file``): records
+            and quarantine entries must carry its keyed MAC, anything else is a miss (see
+            :mod:`datacache.record`). None: ``$DATACACHE_RECORD_KEY_FILE`` if set; ``""``: no key.
+            Read here (ConfigError naming the file); workers get the path, never the key bytes.
 
     Items are ``(uint8 tensor [3, H, W], int label)``; sizes differ between samples, so use
     :class:`client.augment.AugmentCollate` (or a ``transform`` producing a fixed size) with
@@ -85,14 +91,16 @@ class CachedImageNet(Dataset):
     def __init__(self, source: str, cache: str | None = None, *, short_side: int = 160,
                  variant: Variant | None = None, transform: Callable[[torch.Tensor], Any] | None = None,
                  on_error: str = "substitute", revalidate: str = "dirs", t1_dir: str | None = "default",
-                 t1_max_bytes: int | None = None, storage_options: dict | None = None) -> None:
-        if on_error not in ON_ERROR_CHOICES:
-            raise ConfigError(f"on_error={on_error!r} is not valid; choose one of "
-                              f"{', '.join(ON_ERROR_CHOICES)}")
+                 t1_max_bytes: int | None = None, storage_options: dict | None = None,
+                 record_key_file: str | None = None) -> None:
+        choice("on_error", on_error, ON_ERROR_CHOICES)
         if t1_max_bytes is not None and int(t1_max_bytes) < 1:
             raise ConfigError(f"t1_max_bytes must be a positive number of bytes or None, "
                               f"got {t1_max_bytes!r}")
         check_revalidate(revalidate)
+        key_file = resolve_record_key_file(record_key_file)
+        if key_file:
+            load_record_key(key_file)  # a bad key file fails here, before the listing (read once per process)
         self.variant = variant if variant is not None else Variant(short_side=short_side)
         # parsed and checked here, in the parent, never first inside a DataLoader worker
         self.cache_spec = parse_cache_url(cache or default_cache_url(), check=True)
@@ -105,7 +113,8 @@ class CachedImageNet(Dataset):
                                                       persist_dir=self.manifest_dir, revalidate=revalidate))
         self.reader = ReadThrough(self.manifest, self.variant, self.cache_spec, t1_dir=t1_dir,
                                   t1_max_bytes=int(t1_max_bytes) if t1_max_bytes is not None else None,
-                                  storage_options=storage_options)
+                                  storage_options=storage_options,
+                                  record_key_file=key_file)
         self._tag = self.variant.tag()
         self._counters = SharedCounters((*COUNTERS, *PLACEMENT_COUNTERS))
         self._qflags = torch.zeros(len(self.manifest), dtype=torch.uint8).share_memory_()
@@ -293,7 +302,7 @@ class CachedImageNet(Dataset):
 
         def verify() -> dict[str, int]:
             return sample_missing(reader.store, len(self), reader.keys,
-                                  lambda idx: [reader.qkey(i) for i in idx])
+                                  lambda idx: [reader.qkey(i) for i in idx], reader.parse_known_bad)
 
         return wait_until_warm(reader.store, self.manifest.fingerprint, self._tag, len(self),
                                timeout=timeout, poll=poll, verify=verify)

@@ -204,9 +204,8 @@ def owners_from_store(store: Any, keys: Sequence[bytes], node_masters: Sequence[
     """``owners[i]`` for a Redis Cluster store: the node (index into ``node_masters``, the master
     address on each node) whose master serves ``keys[i]``'s slot; ``-1`` for a master on no listed node,
     and all ``-1`` for a store without shards (LMDB, one Redis server)."""
-    master_of = getattr(store, "master_of", None)
-    if master_of is None:
+    if store is None or not store.sharded:
         return np.full(len(keys), -1, dtype=np.int16)
     index = {addr: i for i, addr in enumerate(node_masters)}
-    return np.fromiter((index.get(a, -1) if a is not None else -1 for a in master_of(keys)),
+    return np.fromiter((index.get(a, -1) if a is not None else -1 for a in store.master_of(keys)),
                        dtype=np.int16, count=len(keys))

@@ -9,18 +9,23 @@ Grammar::
     cache  = tier ["::" tier ...]                      (fsspec-style chaining of tiers)
     tier   = scheme "://" location ["?" option "=" value ("&" option "=" value)*]
 
-* ``scheme`` must be registered (:func:`register_scheme`); built in: ``lmdb`` and ``memory``
-  (registered by :mod:`datacache.stores`). Redis schemes register themselves the same way.
+* ``scheme`` must be known: the built-ins (``lmdb``, ``memory``, ``redis``, ``rediss``,
+  ``redis+cluster``) are a string table (:data:`KNOWN_SCHEMES`: scheme -> the module that registers
+  it, :mod:`datacache.stores.schemes`, imported on first use, as fsspec's ``known_implementations``),
+  so this module imports no store; others come from :func:`register_scheme`.
 * ``location`` is normalised by the scheme: for ``lmdb`` a directory, ``~`` expanded and made
   absolute (relative to the parent's working directory, so workers with another cwd agree).
 * options are typed (:class:`OptionSpec`): ``int``, ``bytes`` (an int or ``512MiB``, ``4GiB``,
   ``2G`` ...), ``bool`` (``1/0/true/false/yes/no/on/off``) or ``str``. An unknown, repeated or
   malformed option is a :class:`~datacache.config.ConfigError` naming it and listing the valid ones.
 * several tiers (``lmdb:///local::redis+cluster://h:7000``) are parsed tier by tier, nearest
-  first, and opened as one :class:`~datacache.tiered.TieredStore` (at most :data:`MAX_TIERS`).
-* a password in a location (``redis://user:secret@host:6379``) is kept for opening the store but
-  shown as ``***`` in :attr:`StoreSpec.url` / :attr:`CacheSpec.url` (what logs, ``repr`` and
-  ``stats()`` show); :attr:`CacheSpec.secret_url` is the full text.
+  first (at most :data:`MAX_TIERS`); :func:`datacache.stores.open_store` -- the one way to open a
+  cache -- opens them as one :class:`~datacache.tiered.TieredStore`.
+* a password in a location (``redis://user:secret@host:6379``, any character: the userinfo ends at
+  the tier's last ``@``) is kept for opening the store but shown as ``***`` in :attr:`StoreSpec.url` /
+  :attr:`CacheSpec.url` (what logs, ``repr`` and ``stats()`` show) and in every error message
+  (:func:`datacache.redact.redact`); :attr:`CacheSpec.secret_url` is the full text. Better still,
+  ``?password_file=`` keeps it out of the URL.
 
 The result is a small frozen, picklable :class:`CacheSpec` (a tuple of :class:`StoreSpec`), which
 travels to workers instead of the string: they never re-parse.
@@ -28,6 +33,7 @@ travels to workers instead of the string: they never re-parse.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -36,15 +42,13 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 from datacache.config import ConfigError
+from datacache.options import parse_bool, parse_size
+from datacache.redact import CACHE_USERINFO_SCHEMES, redact
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+__all__ = ["KNOWN_SCHEMES", "MAX_TIERS", "CacheSpec", "OptionSpec", "SchemeSpec", "StoreSpec", "parse_bytes",
+           "parse_cache_url", "parse_tier", "redact", "register_scheme", "scheme_spec", "schemes"]
+
 MAX_TIERS = 4
-_PASSWORD_RE = re.compile(r"(^|,)([^,@/]*?):([^,@/]*)@")
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 @dataclass(frozen=True)
@@ -62,11 +66,7 @@ class OptionSpec:
     def coerce(self, name: str, text: str, url: str) -> Any:
         """``text`` as this option's type; ConfigError naming the option and the accepted forms."""
         if self.kind == "bool":
-            low = text.strip().lower()
-            if low in _TRUE or low in _FALSE:
-                return low in _TRUE
-            raise ConfigError(f"{url}: option {name}={text!r} is not a boolean; use one of "
-                              f"{', '.join(_TRUE + _FALSE)}")
+            return parse_bool(text, f"{url}: option {name}")
         if self.kind == "str":
             return text
         if self.kind == "float":
@@ -100,11 +100,9 @@ def _parse_int(text: str) -> int | None:
 
 
 def parse_bytes(text: str) -> int | None:
-    """``"4GiB"`` -> 4294967296, ``"512M"`` -> 512000000, ``"123"`` -> 123; None if not a size."""
-    m = _BYTES_RE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        return None
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"4GiB"`` -> 4294967296, ``"512M"`` -> 512000000, ``"123"`` -> 123; None if not a size
+    (:func:`datacache.options.parse_size`)."""
+    return parse_size(text)
 
 
 @dataclass(frozen=True)
@@ -150,18 +148,6 @@ class StoreSpec:
     def option(self, name: str, default: Any = None) -> Any:
         return self.opts.get(name, default)
 
-    def open(self) -> Any:
-        """Open the store this spec names (in the process that will use it)."""
-        return _scheme(self.scheme, self.url).factory(self)
-
-
-def redact(url: str) -> str:
-    """``redis://user:secret@h:1`` -> ``redis://user:***@h:1`` (every ``user:password@`` of a location)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    loc, q, query = rest.partition("?")
-    return scheme + sep + _PASSWORD_RE.sub(r"\1\2:***@", loc) + q + query
 
 
 @dataclass(frozen=True)
@@ -185,42 +171,35 @@ class CacheSpec:
     def secret_url(self) -> str:
         return "::".join(t.secret_url for t in self.tiers)
 
-    def open(self) -> Any:
-        """The store of a one-tier local URL, else a :class:`~datacache.tiered.TieredStore` over the tiers
-        (also for a single remote tier, whose write-backs then go through the background queue)."""
-        stores = [t.open() for t in self.tiers]
-        if len(stores) == 1 and not getattr(stores[0], "remote", False):
-            return stores[0]
-        from datacache.tiered import TieredStore
-
-        return TieredStore(stores)
-
 
 _SCHEMES: dict[str, SchemeSpec] = {}
+# Built-in schemes by name -> the module that registers them, imported on first use (as fsspec's
+# known_implementations): this module never imports the stores, so there is no import cycle.
+KNOWN_SCHEMES: dict[str, str] = dict.fromkeys(("memory", "lmdb", "redis", "rediss", "redis+cluster"),
+                                              "datacache.stores.schemes")
 
 
 def register_scheme(spec: SchemeSpec) -> None:
-    """Add (or replace) a cache scheme; later issues register ``redis``, ``rediss``, ``redis+cluster``."""
+    """Add (or replace) a cache scheme (the built-ins register themselves from :data:`KNOWN_SCHEMES`)."""
     _SCHEMES[spec.name] = spec
 
 
 def schemes() -> list[str]:
-    """Registered scheme names (built-ins included)."""
-    _ensure_builtin()
-    return sorted(_SCHEMES)
-
-
-def _ensure_builtin() -> None:
-    import datacache.stores  # noqa: F401  (registers lmdb:// and memory://)
+    """Scheme names: the built-ins and any registered since."""
+    return sorted(set(KNOWN_SCHEMES) | set(_SCHEMES))
 
 
 def _valid_schemes() -> str:
-    return ", ".join(f"{s}://" for s in sorted(_SCHEMES))
+    return ", ".join(f"{s}://" for s in schemes())
 
 
-def _scheme(name: str, url: str) -> SchemeSpec:
-    _ensure_builtin()
+def scheme_spec(name: str, url: str = "") -> SchemeSpec:
+    """The :class:`SchemeSpec` of ``name`` (a built-in's module is imported on first use); ConfigError
+    listing the valid schemes for an unknown one (``url``: the redacted URL, for the message)."""
     spec = _SCHEMES.get(name)
+    if spec is None and name in KNOWN_SCHEMES:
+        importlib.import_module(KNOWN_SCHEMES[name])
+        spec = _SCHEMES.get(name)
     if spec is None:
         raise ConfigError(f"cache URL {url!r}: unknown scheme {name!r}; valid schemes: {_valid_schemes()}"
                           " (e.g. lmdb:///var/cache/datacache)")
@@ -229,15 +208,20 @@ def _scheme(name: str, url: str) -> SchemeSpec:
 
 def parse_tier(text: str, *, url: str | None = None) -> StoreSpec:
     """Parse one tier ``scheme://location?opts`` (see the module docstring)."""
-    url = url or text
-    _ensure_builtin()
+    url = redact(url or text)  # only for messages: a password never reaches an error text
     scheme, sep, rest = text.partition("://")
     if not sep:
-        hint = f"; did you mean lmdb://{text}?" if text.startswith(("/", "~", ".")) else ""
+        plain_path = text.startswith(("/", "~", ".")) and "@" not in text
+        hint = f"; did you mean lmdb://{text}?" if plain_path else ""
         raise ConfigError(f"cache URL {url!r} has no scheme (scheme://location); valid schemes: "
                           f"{_valid_schemes()}{hint}")
-    sch = _scheme(scheme, url)
+    sch = scheme_spec(scheme, url)
     location, _, query = rest.partition("?")
+    if "@" in query and scheme in CACHE_USERINFO_SCHEMES:
+        # a raw "?" in the password would put the rest of it here, and the option errors below echo
+        # option names and values: refuse without echoing anything of it
+        raise ConfigError(f"cache URL {url!r}: an '@' after the '?': percent-encode a '?' in the password "
+                          "as %3F and an '@' in an option value as %40")
     if sch.location is not None:
         location = sch.location(location, url)
     seen: dict[str, Any] = {}
@@ -251,7 +235,7 @@ def parse_tier(text: str, *, url: str | None = None) -> StoreSpec:
             raise ConfigError(f"cache URL {url!r}: option {name!r} is given twice")
         seen[name] = opt.coerce(name, value, url)
     if query and not seen:
-        raise ConfigError(f"cache URL {url!r}: cannot parse the query string {query!r} (use ?name=value&...)")
+        raise ConfigError(f"cache URL {url!r}: cannot parse its query string (use ?name=value&...)")
     return StoreSpec(scheme, location, tuple(sorted(seen.items())))
 
 
@@ -264,8 +248,9 @@ def parse_cache_url(url: str | CacheSpec, *, check: bool = False, max_tiers: int
         spec = url
     else:
         if not isinstance(url, str) or not url.strip():
+            got = repr(url) if isinstance(url, str) or url is None else f"a {type(url).__name__}"
             raise ConfigError(f"cache URL must be a non-empty string such as lmdb:///var/cache/datacache, "
-                              f"got {url!r}")
+                              f"got {got}")
         text = url.strip()
         spec = CacheSpec(text, tuple(parse_tier(t, url=text) for t in text.split("::")))
     if len(spec.tiers) > max_tiers:
@@ -275,7 +260,7 @@ def parse_cache_url(url: str | CacheSpec, *, check: bool = False, max_tiers: int
         raise ConfigError(f"cache URL {redact(spec.given)!r} names the same tier twice")
     if check:
         for t in spec.tiers:
-            sch = _scheme(t.scheme, spec.given)
+            sch = scheme_spec(t.scheme, redact(spec.given))
             if sch.check is not None:
                 sch.check(t)
     return spec

@@ -76,6 +76,11 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
                         "'none' disables it)")
     p.add_argument("--t1-max-bytes", type=_byte_size, metavar="SIZE",
                    help="size cap of T1 with LRU trimming, e.g. 50GiB (default: no cap)")
+    p.add_argument("--record-key-file", metavar="FILE",
+                   help="file holding the cache's record key (the daemons' record_key_file): records and "
+                        "quarantine entries carry a keyed MAC and anything else is a miss (default: "
+                        "$DATACACHE_RECORD_KEY_FILE if set, else no key; make one with (umask 077; head -c "
+                        "32 /dev/urandom | base64 > FILE))")
 
 
 def _t1_dir(text: str) -> str | None:
@@ -183,7 +188,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                      keep_cache=args.keep_cache, images=args.images, classes=args.classes,
                      gen_size=tuple(args.gen_size), start_method=args.start_method,
                      progress=not args.no_progress, revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir),
-                     t1_max_bytes=args.t1_max_bytes)
+                     t1_max_bytes=args.t1_max_bytes, record_key_file=args.record_key_file)
     run_demo(cfg)
     return 0
 
@@ -197,7 +202,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     cache = args.cache or default_cache_url()
     rep = warm_cache(args.source, cache, workers=args.workers, short_side=args.short_side,
                      revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir), t1_max_bytes=args.t1_max_bytes,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, record_key_file=args.record_key_file)
     print(f"warmed {cache}: {rep.total} samples, decoded {rep.decoded}, skipped {rep.skipped} "
           f"(already cached), quarantined {len(rep.quarantined)}, read {rep.bytes_read / 1e6:.1f} MB"
           + (f", NOT cached: {rep.write_errors} write errors (see the warning above)"
@@ -293,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits with code 2 on usage errors
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from datacache.redact import install_scrub_filter, redact_text
+
+    install_scrub_filter()  # URL passwords and secrets read from files masked in every log line
     handlers = {"demo": _cmd_demo, "warm": _cmd_warm, "plan": _cmd_plan, "stats": _cmd_stats}
     try:
         return handlers[args.command](args)
@@ -305,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not isinstance(e, _user_errors()):
             msg = f"{type(e).__name__}: {msg} (unexpected; run with -v for the traceback)"
-        print(f"datacache: error: {msg}", file=sys.stderr)
+        print(f"datacache: error: {redact_text(msg)}", file=sys.stderr)
         return 1
 
 

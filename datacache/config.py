@@ -20,15 +20,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from datacache.options import ConfigError, choice
+
+__all__ = ["ConfigError", "Variant", "default_cache_url", "default_t1_dir", "user_cache_dir"]
+
 RESAMPLE_CHOICES = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 ENCODING_CHOICES = ("raw", "jpeg")
 # Which decoder + resize implementation made the pixels. Implementations that do not reproduce each
 # other byte for byte are separate families, so their samples never share a key (README "Decoding").
 DECODER_FAMILY_CHOICES = ("pil", "pil-simd", "dali", "dali-gpu")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message lists the valid choices."""
 
 
 @dataclass(frozen=True)
@@ -52,23 +52,11 @@ class Variant:
                 f"Variant.max_long_side must be None (= 2 * short_side) or an int >= short_side "
                 f"({self.short_side}), got {self.max_long_side!r}"
             )
-        if self.resample not in RESAMPLE_CHOICES:
-            raise ConfigError(
-                f"Variant.resample={self.resample!r} is not valid; "
-                f"choose one of {', '.join(RESAMPLE_CHOICES)}"
-            )
-        if self.encoding not in ENCODING_CHOICES:
-            raise ConfigError(
-                f"Variant.encoding={self.encoding!r} is not valid; "
-                f"choose one of {', '.join(ENCODING_CHOICES)}"
-            )
+        choice("Variant.resample", self.resample, RESAMPLE_CHOICES)
+        choice("Variant.encoding", self.encoding, ENCODING_CHOICES)
         if not isinstance(self.jpeg_quality, int) or not 1 <= self.jpeg_quality <= 100:
             raise ConfigError(f"Variant.jpeg_quality must be an int in 1..100, got {self.jpeg_quality!r}")
-        if self.decoder_family not in DECODER_FAMILY_CHOICES:
-            raise ConfigError(
-                f"Variant.decoder_family={self.decoder_family!r} is not valid; "
-                f"choose one of {', '.join(DECODER_FAMILY_CHOICES)}"
-            )
+        choice("Variant.decoder_family", self.decoder_family, DECODER_FAMILY_CHOICES)
 
     @property
     def long_cap(self) -> int:

@@ -350,12 +350,14 @@ def decode_image(data: bytes, variant: Variant, *, name: str = "<bytes>") -> np.
     except UnidentifiedImageError:
         raise DecodeError(name, f"not a decodable image ({len(data)} bytes); "
                           "remove the file or replace it with a valid image") from None
-    except Image.DecompressionBombError as e:
-        raise DecodeError(name, f"{e}; downscale the file offline") from None
+    except Image.DecompressionBombError:  # (reasons never quote an exception's text: it can hold file bytes)
+        raise DecodeError(name, "image exceeds the decompression-bomb pixel limit of Pillow "
+                          "(DecompressionBombError); downscale the file offline") from None
     except MemoryError:  # the process, not the file: never remembered as a bad file
         raise DecodeError(name, "out of memory while decoding (transient: retried in a later epoch)",
                           transient=True) from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError,
             ZeroDivisionError) as e:
-        raise DecodeError(name, f"corrupt or truncated image data ({type(e).__name__}: {e}); re-copy the "
+        # the type only: Pillow's messages quote bytes of the file ("Token too long in file header: ...")
+        raise DecodeError(name, f"corrupt or truncated image data ({type(e).__name__}); re-copy the "
                           "file from its origin or remove it") from None

@@ -12,7 +12,7 @@ that was filled before the run (the cluster's daemons, ``--keep-cache``, another
 the same cache) it says how warm epoch 1 already was and shows no speed-up.
 
 Concurrent demos on one machine are safe: the generated dataset is published atomically
-(:func:`datacache.synth.publish_dir`), and the demo's own LMDB cache is cleared only under an
+(:func:`datacache.devtools.synth.publish_dir`), and the demo's own LMDB cache is cleared only under an
 exclusive ``flock`` that no other running demo holds (each holds a shared one while it runs).
 
 This module imports the client package lazily (inside functions): the core must not import
@@ -55,6 +55,7 @@ class DemoConfig:
     revalidate: str = "dirs"          # how a saved listing is checked (see datacache.manifest)
     t1_dir: str | None = "default"    # raw-bytes disk cache for remote sources
     t1_max_bytes: int | None = None   # T1 size cap (LRU trim)
+    record_key_file: str | None = None  # record key (None: $DATACACHE_RECORD_KEY_FILE if set)
 
 
 @dataclass
@@ -73,10 +74,11 @@ def demo_root() -> str:
 def ensure_dataset(cfg: DemoConfig) -> str:
     """Generate the demo ImageFolder once and return its path.
 
-    The tree is built in a temp directory and renamed into place (:func:`datacache.synth.ensure_imagefolder`),
-    so its existence means it is complete: two demos started at once both build, one rename wins and
-    both use the winner's tree; neither deletes anything but its own temp directory."""
-    from datacache import synth
+    The tree is built in a temp directory and renamed into place
+    (:func:`datacache.devtools.synth.ensure_imagefolder`), so its existence means it is complete: two
+    demos started at once both build, one rename wins and both use the winner's tree; neither deletes
+    anything but its own temp directory."""
+    from datacache.devtools import synth
 
     per_class = max(1, cfg.images // cfg.classes)
     w, h = cfg.gen_size
@@ -152,7 +154,7 @@ def _run(cfg: DemoConfig, source: str, cache: str) -> list[EpochResult]:
 
     t = time.perf_counter()
     ds = CachedImageNet(source, cache, short_side=cfg.short_side, revalidate=cfg.revalidate,
-                        t1_dir=cfg.t1_dir, t1_max_bytes=cfg.t1_max_bytes)
+                        t1_dir=cfg.t1_dir, t1_max_bytes=cfg.t1_max_bytes, record_key_file=cfg.record_key_file)
     print(f"dataset: {len(ds)} images, {len(ds.classes)} classes from {ds.root} "
           f"(listed in {time.perf_counter() - t:.2f} s)")
     print(f"cache:   {cache}  variant {ds.variant.tag()}  decoder {ds.stats()['decode_backend']}")

@@ -25,7 +25,7 @@ import numpy as np
 from datacache.config import ConfigError, Variant
 from datacache.decode import DecodeError, decode_image, pil_family
 from datacache.quarantine import read_failure_reason
-from datacache.record import decode_record, encode_record
+from datacache.record import CHANNELS, RecordKey, decode_record, encode_record, shape_fits_variant
 
 
 @dataclass
@@ -72,10 +72,15 @@ def check_family(variant: Variant, decoder: Decoder | None) -> None:
 
 
 def fill_one(data: bytes | BaseException, *, rel: str, size: int, label: int, key: bytes,
-             variant: Variant, decoder: Decoder | None = None) -> Filled:
-    """Decode ``data`` (or classify the read error it is) into the record stored under ``key``.
+             variant: Variant, decoder: Decoder | None = None, record_key: RecordKey | None = None) -> Filled:
+    """Decode ``data`` (or classify the read error it is) into the record stored under ``key`` (MAC'd with
+    ``record_key`` when given: every encode path passes the reader's key).
     ``decoder`` is Pillow's :func:`~datacache.decode.decode_image` unless a backend (DALI) is given; it
-    must make pixels of ``variant.decoder_family`` (:func:`check_family`, module docstring)."""
+    must make pixels of ``variant.decoder_family`` (:func:`check_family`, module docstring).
+
+    Reasons carry the exception's type and a fixed message, never its text (it may quote file bytes);
+    an exception other than :class:`~datacache.decode.DecodeError` from a decoder is a failure for this
+    run (not remembered: it may be the decoder's fault, not the file's), never an exception here."""
     check_family(variant, decoder)
     if isinstance(data, BaseException):
         return Filled(reason=read_failure_reason(data))
@@ -84,9 +89,18 @@ def fill_one(data: bytes | BaseException, *, rel: str, size: int, label: int, ke
     except DecodeError as e:
         complete = size >= 0 and len(data) == size
         return Filled(reason=f"cannot decode: {e.reason}", remember=complete and not e.transient)
-    rec = encode_record(pixels, label, variant, key=key)
+    except Exception as e:  # a decoder bug or an error type decode_image does not classify
+        return Filled(reason=f"cannot decode: unexpected {type(e).__name__} in the decoder (not remembered; "
+                      "retried in a later run)")
+    shape = getattr(pixels, "shape", ())
+    if (getattr(pixels, "dtype", None) != np.uint8 or len(shape) != 3 or shape[2] != CHANNELS
+            or not shape_fits_variant(int(shape[0]), int(shape[1]), variant)):
+        # a record of another geometry would be a miss for every reader (decode_record checks it)
+        return Filled(reason=f"cannot decode: the decoder made a {'x'.join(map(str, shape)) or '?'} "
+                      "array, not the variant's RGB geometry (a decoder bug; not remembered)")
+    rec = encode_record(pixels, label, variant, key=key, record_key=record_key)
     if variant.encoding != "raw":
         # serve exactly what a later hit will serve (the re-encoded pixels)
-        decoded = decode_record(rec, key)
+        decoded = decode_record(rec, key, variant, record_key=record_key)
         pixels = decoded[0] if decoded is not None else pixels
     return Filled(record=rec, pixels=pixels)

@@ -7,8 +7,13 @@ owns, how many of them are cached (or known bad), the dataset size, its fill rat
 unix time. Clients (``CachedImageNet.wait_warm``), ``/status`` and ``datacache stats`` read the hash.
 
 A dataset is **full** when the owned shares add up to the dataset (every sample has a reporting owner)
-and every node has done what it owns. Values are untrusted input: parsed with msgpack only and
-type-checked; a malformed field is ignored (as if that node had not reported).
+and every node has done what it owns. Values are untrusted input (only the daemons' Redis role may write
+them, but a forged one must not reach ``/status`` whole): parsed with msgpack only, and :func:`read_fill`
+builds a NEW dict of the known fields -- counts are ints in ``0..MAX_COUNT``, ``rate`` and ``updated``
+finite floats >= 0 -- from at most :data:`MAX_REPORTS` reports (field-name order) whose node name has at
+most :data:`MAX_NODE_NAME` bytes and whose value at most :data:`MAX_REPORT_BYTES`; everything else is
+ignored (as if that node had not reported). So what a reader returns is bounded (about 200 bytes of
+JSON per node) whatever the hash holds.
 
 Reports can be stale: a master restarted empty loses its keys but not the reports (they may live on
 another master). So a summary also carries the age of the oldest report, and ``wait_until_warm``
@@ -21,6 +26,7 @@ may go unnoticed (they are decoded on their next miss).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +38,11 @@ from datacache.config import ConfigError
 
 STATUS_PREFIX = "dcd"
 _FIELDS = ("owned", "done", "quarantined", "total")
+_FLOATS = ("rate", "updated")
+MAX_REPORTS = 1024  # reports considered per dataset (a Redis Cluster has at most ~1000 masters)
+MAX_NODE_NAME = 200  # bytes of a node name (the daemon config refuses longer names)
+MAX_REPORT_BYTES = 1024  # a real report packs to ~90 bytes
+MAX_COUNT = 2**40  # samples per dataset, far above any real one (ImageNet-22k: 1.4e7)
 
 
 def status_key(fingerprint: str, variant_tag: str) -> bytes:
@@ -56,33 +67,72 @@ def report_fill(store: Any, fingerprint: str, variant_tag: str, node: str, *, ow
 
 
 def read_fill(store: Any, fingerprint: str, variant_tag: str) -> dict[str, dict[str, Any]]:
-    """node -> report, malformed reports left out."""
+    """node -> report ``{owned, done, quarantined, total[, rate, updated]}``, built anew from the known
+    fields only; malformed, oversized and surplus reports left out (see the module docstring)."""
     raw = status_store(store).status_get(status_key(fingerprint, variant_tag))
     out: dict[str, dict[str, Any]] = {}
-    for node, value in raw.items():
-        try:
-            d = msgpack.unpackb(bytes(value), raw=False)
-        except (ValueError, msgpack.UnpackException):
+    for node in sorted(raw):  # field-name order: the same reports are kept on every read
+        if len(out) >= MAX_REPORTS:
+            break
+        if len(node) > MAX_NODE_NAME:
             continue
-        if isinstance(d, dict) and all(isinstance(d.get(f), int) and d[f] >= 0 for f in _FIELDS):
-            name = node.decode("utf-8", "replace") if isinstance(node, bytes) else str(node)
-            out[name] = d
+        report = _parse_report(raw[node])
+        if report is None:
+            continue
+        name = node.decode("utf-8", "replace") if isinstance(node, (bytes, bytearray)) else str(node)
+        out[name] = report
     return out
+
+
+def _parse_report(value: Any) -> dict[str, Any] | None:
+    """A new dict of a report's known fields, or None when it is not a well-formed report."""
+    if not isinstance(value, (bytes, bytearray, memoryview)) or len(value) > MAX_REPORT_BYTES:
+        return None  # never unpack what no daemon wrote (checked before parsing)
+    try:
+        d = msgpack.unpackb(bytes(value), raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if not isinstance(d, dict):
+        return None
+    report: dict[str, Any] = {}
+    for f in _FIELDS:
+        v = d.get(f)
+        if type(v) is not int or not 0 <= v <= MAX_COUNT:  # type(): a bool is not a count
+            return None
+        report[f] = v
+    for f in _FLOATS:
+        if f not in d:
+            continue  # optional (older reports)
+        v = d[f]
+        if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+            return None
+        report[f] = float(v)
+    return report
 
 
 SAMPLE_KEYS = 256
 
 
 def sample_missing(store: Any, total: int, key_of: Callable[[Sequence[int]], list[bytes]],
-                   qkey_of: Callable[[Sequence[int]], list[bytes]], n: int = SAMPLE_KEYS) -> dict[str, int]:
-    """``EXISTS`` of ``n`` random samples (sample key, else quarantine key) in the status tier of
-    ``store``: ``{"checked", "missing"}``. A tier that cannot be read counts its keys as missing."""
+                   qkey_of: Callable[[Sequence[int]], list[bytes]],
+                   known_bad: Callable[[int, Any], Any] | None = None,
+                   n: int = SAMPLE_KEYS) -> dict[str, int]:
+    """``EXISTS`` of ``n`` random samples in the status tier of ``store``, then, for the absent ones,
+    their quarantine entries: ``{"checked", "missing"}``. With ``known_bad(index, value)`` (the reader's
+    :meth:`~datacache.readthrough.ReadThrough.parse_known_bad`) an entry counts only when it is valid
+    for that file (and MAC'd, with a record key): a forged entry does not make a sample "present".
+    Without it, existence is enough. A tier that cannot be read counts its keys as missing."""
     tier = status_store(store)
     idx = sorted(random.sample(range(total), min(n, total))) if total else []
     have = tier.contains(key_of(idx)) if idx else []
     absent = [i for i, h in zip(idx, have) if not h]
-    known_bad = tier.contains(qkey_of(absent)) if absent else []
-    return {"checked": len(idx), "missing": sum(1 for b in known_bad if not b)}
+    if not absent:
+        bad: list[bool] = []
+    elif known_bad is None:
+        bad = list(tier.contains(qkey_of(absent)))
+    else:
+        bad = [known_bad(i, v) is not None for i, v in zip(absent, tier.get_many(qkey_of(absent)))]
+    return {"checked": len(idx), "missing": sum(1 for b in bad if not b)}
 
 
 def summarize(reports: dict[str, dict[str, Any]], total: int,

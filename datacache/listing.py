@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import logging
+import os
 import posixpath
 import time
 from collections.abc import Callable, Sequence
@@ -303,76 +304,19 @@ def list_folder(fs: fsspec.AbstractFileSystem, path: str, url: str, *, workers: 
     return out
 
 
-def _parse_list(text: str) -> list[tuple[str, str | None]]:
-    rows: list[tuple[str, str | None]] = []
-    for n, line in enumerate(text.splitlines()):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = [p.strip() for p in line.split(",")]
-        if n == 0 and parts[0].lower() in ("path", "relpath", "file", "filename"):
-            continue
-        rows.append((parts[0].lstrip("/"), parts[1] if len(parts) > 1 and parts[1] else None))
-    return rows
-
-
-def _labels(rows: list[tuple[str, str | None]], url: str) -> tuple[list[str], list[int]]:
-    labels = [lab for _, lab in rows]
-    if any(lab is None for lab in labels):
-        names = [r.split("/", 1)[0] for r, _ in rows]
-        classes = sorted(set(names))
-        idx = {c: i for i, c in enumerate(classes)}
-        return classes, [idx[nm] for nm in names]
-    if all(lab.lstrip("-").isdigit() for lab in labels if lab is not None):
-        ints = [int(lab) for lab in labels if lab is not None]
-        if min(ints, default=0) < 0:
-            raise ManifestError(f"{url}: negative label in file list")
-        return [str(i) for i in range(max(ints, default=-1) + 1)], ints
-    classes = sorted({lab for lab in labels if lab is not None})
-    idx = {c: i for i, c in enumerate(classes)}
-    return classes, [idx[lab] for lab in labels if lab is not None]
-
-
-def list_file(fs: fsspec.AbstractFileSystem, path: str, url: str, info: dict, *,
-              workers: int = 32) -> Listing:
-    """Read a .txt/.csv file list; one (concurrent) directory listing per distinct parent directory."""
-    base = posixpath.dirname(path)
-    out = Listing(listed_at=time.time())
-    rows = _parse_list(fs.cat_file(path).decode("utf-8-sig"))
-    out.classes, targets = _labels(rows, url)
-    out.dirstate[""] = [mtime_of(info), float(info.get("size") or 0)]
-    dirs = sorted({posixpath.dirname(rel) for rel, _ in rows})
-
-    def listdir(d: str) -> tuple[dict[str, dict], list[float] | None]:
-        full_d = posixpath.join(base, d) if d else base
-        try:
-            ents = fs.ls(full_d, detail=True)
-        except FileNotFoundError:
-            return {}, None
-        return ({posixpath.basename(e["name"].rstrip("/")): e for e in ents},
-                [mtime_of(fs.info(full_d)), float(len(ents))])
-
-    listings = dict(zip(dirs, map_concurrent(listdir, dirs, workers=workers)))
-    for d, (_, state) in listings.items():
-        if state is not None:
-            out.dirstate["dir:" + d] = state
-    rels: list[str] = []
-    tgts: list[int] = []
-    infos: list[dict] = []
-    for (rel, _), t in zip(rows, targets):
-        ent = listings[posixpath.dirname(rel)][0].get(posixpath.basename(rel))
-        if ent is None:
-            out.count("missing")
-            log.warning("manifest %s: listed file %r does not exist; skipped", url, rel)
-            continue
-        if not is_image(rel):
-            out.count("non_image")
-            continue
-        rels.append(rel)
-        tgts.append(t)
-        infos.append(ent)
-    out.blocks.append(Block.of(rels, tgts, infos))
-    return out
+def open_source_fs(source: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str, str]:
+    """(filesystem, path inside it, normalised URL) for ``source``."""
+    if "::" in source:
+        raise ManifestError(f"{source}: list the original source, not a chained (cached) URL")
+    if "://" not in source:
+        source = os.path.abspath(os.path.expanduser(source))
+    try:
+        fs, path = fsspec.core.url_to_fs(source, **(storage_options or {}))
+    except (ValueError, ImportError) as e:
+        raise ManifestError(f"{source}: cannot open this URL with fsspec ({e}); "
+                            "check the scheme and the storage_options") from e
+    path = path.rstrip("/") or "/"
+    return fs, path, fs.unstrip_protocol(path)
 
 
 # A directory whose recorded mtime is at least this much older than the listing's start is "settled":

@@ -13,7 +13,10 @@ Sources (walked by :mod:`datacache.listing`)
       to the list's directory (``#`` comments and a ``path,label`` header are skipped). Without labels
       the class is the first path component; integer labels are used as given; other labels are
       class names indexed by sorted name. Missing files are counted in ``ignored["missing"]``.
-      ``root`` is then the list's directory and ``listed`` the list file itself.
+      ``root`` is then the list's directory and ``listed`` the list file itself. An entry that is
+      absolute (``/x``, ``C:\\x``), a URL, climbs (a ``..`` segment) or holds a NUL or a backslash, and a
+      numeric label that is negative or not below ``max(rows, 65536)``, is a :class:`ManifestError`
+      naming the list's line (never its text: :func:`datacache.filelist.list_entry_problem`).
 
 Memory of a listing
     Class folders are listed concurrently, but each folder's fsspec info dicts (~1 KB per file) are
@@ -74,6 +77,7 @@ import numpy as np
 import xxhash
 
 from datacache.columns import ArrayView, PackedStrings
+from datacache.filelist import list_file, validate_file_list
 from datacache.listing import (
     IMG_EXTENSIONS,
     LIST_EXTENSIONS,
@@ -81,12 +85,13 @@ from datacache.listing import (
     ManifestError,
     dirs_changed,
     is_image,
-    list_file,
     list_folder,
     mtime_of,
+    open_source_fs,
 )
 
-__all__ = ["IMG_EXTENSIONS", "REVALIDATE_CHOICES", "Manifest", "ManifestError", "is_image"]
+__all__ = ["IMG_EXTENSIONS", "REVALIDATE_CHOICES", "Manifest", "ManifestError", "is_image",
+           "validate_file_list"]
 
 log = logging.getLogger("datacache.manifest")
 
@@ -104,21 +109,6 @@ def check_revalidate(revalidate: str) -> str:
                             "(dirs: detects added/removed/replaced files; full: also in-place rewrites; "
                             "none: trust the saved listing)")
     return revalidate
-
-
-def _open_fs(source: str, storage_options: dict | None) -> tuple[fsspec.AbstractFileSystem, str, str]:
-    """(filesystem, path inside it, normalised URL) for ``source``."""
-    if "::" in source:
-        raise ManifestError(f"{source}: list the original source, not a chained (cached) URL")
-    if "://" not in source:
-        source = os.path.abspath(os.path.expanduser(source))
-    try:
-        fs, path = fsspec.core.url_to_fs(source, **(storage_options or {}))
-    except (ValueError, ImportError) as e:
-        raise ManifestError(f"{source}: cannot open this URL with fsspec ({e}); "
-                            "check the scheme and the storage_options") from e
-    path = path.rstrip("/") or "/"
-    return fs, path, fs.unstrip_protocol(path)
 
 
 def _le(a: np.ndarray, dtype: Any) -> np.ndarray:
@@ -217,7 +207,7 @@ class Manifest:
         passes): revalidated instead of reading the persisted copy again, which at ImageNet scale costs
         more CPU than the revalidation and twice the manifest's memory while it lasts."""
         check_revalidate(revalidate)
-        fs, path, url = _open_fs(source, storage_options)
+        fs, path, url = open_source_fs(source, storage_options)
         try:
             info = fs.info(path)
         except FileNotFoundError as e:

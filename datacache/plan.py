@@ -66,7 +66,7 @@ def measure_redis_overhead(value_bytes: int, n: int = 500) -> dict[str, float]:
     """Start a throwaway ``redis-server``, write ``n`` keys of ``value_bytes`` and measure ``used_memory``."""
     import redis
 
-    from datacache.redis_local import start_server
+    from datacache.devtools.redis_local import start_server
 
     with tempfile.TemporaryDirectory(prefix="datacache-plan-") as tmp:
         srv = start_server(tmp)

@@ -25,14 +25,16 @@ import xxhash
 MAX_EXAMPLES = 10
 MAX_KINDS = 20
 MERGE_AT = 4096  # hashes kept in a small set before they are merged into the sorted array
-_DETAILS = re.compile(r"\s*\([^)]*\)|'[^']*'|\"[^\"]*\"")
+# parenthesised details and quoted names are dropped, except an exception type name such as "(OSError)"
+_DETAILS = re.compile(r"\s*\((?![A-Z][A-Za-z0-9_]*\))[^)]*\)|'[^']*'|\"[^\"]*\"")
 
 
 def reason_kind(reason: str) -> str:
     """``"cannot decode: not a decodable image (1011 bytes); remove the file..."`` -> ``"cannot decode:
     not a decodable image"``: the text before the first ``;``, without parenthesised details or quoted
-    names, at most 100 characters."""
-    head = reason.split(";", 1)[0]
+    names (an exception type name in parentheses stays: ``"... image data (OSError)"``), printable ASCII,
+    at most 100 characters."""
+    head = "".join(ch if " " <= ch <= "~" else "?" for ch in str(reason).split(";", 1)[0])
     return " ".join(_DETAILS.sub("", head).split())[:100] or "unknown"
 
 

@@ -5,12 +5,15 @@ the cache daemon use, so there is one rule for hits, misses, bad records and bad
 
 1. **Keys -> tiers.** One ``store.get_many`` for the batch (the store -- one tier or a
    :class:`~datacache.tiered.TieredStore` -- bounds its own round trips by bytes). A record that
-   passes :func:`~datacache.record.decode_record` for the key it was asked for, with the manifest's
-   label, is a hit (a zero-copy numpy view of the returned buffer). Anything else (absent, truncated,
-   bit-flipped, poisoned, under another key) is a miss; a bad record is counted ``t2_invalid`` and
-   rewritten with ``overwrite=True``. Values are never unpickled.
+   passes :func:`~datacache.record.decode_record` for the key it was asked for and this variant
+   (encoding, RGB, the variant's geometry), with the manifest's label -- and, with a record key
+   (``record_key_file``), the right keyed MAC -- is a hit (a zero-copy numpy view of the returned
+   buffer). Anything else (absent, truncated, bit-flipped, poisoned, forged, under another key) is a
+   miss; a bad record is counted ``t2_invalid`` and rewritten with ``overwrite=True``. Values are
+   never unpickled, and decoding a value never raises.
 2. **Known-bad files**: this process's quarantine first, then the decode failures remembered in
-   the store (:mod:`datacache.quarantine`).
+   the store (:mod:`datacache.quarantine`; with a record key only entries with its MAC count). An
+   entry that is present but invalid is replaced (``overwrite=True``) if the file really is bad.
 3. **Fill**: the file bytes come from T1/T0 (``Source.read_many``: concurrent), are decoded to the
    variant (:func:`~datacache.fill.fill_one`; with ``threads > 1`` several decodes run at once --
    Pillow releases the GIL), encoded, and written back **once per batch**: one ``put_many`` of the
@@ -39,8 +42,9 @@ from datacache.fill import Decoder, Filled, fill_one
 from datacache.keys import sample_key
 from datacache.manifest import Manifest
 from datacache.quarantine import parse_quarantine, quarantine_key, quarantine_value
-from datacache.record import decode_record
+from datacache.record import RecordKey, decode_record, load_record_key
 from datacache.source import Source, SourceError
+from datacache.stores import open_store
 
 COUNTERS = (
     "samples", "t2_hits", "t2_misses", "t2_invalid", "t2_bytes", "t2_written", "t2_known_bad",
@@ -81,7 +85,8 @@ def shared_store(cache: str | CacheSpec | StoreSpec) -> Any:
     key = (os.getpid(), spec.secret_url)
     st = _STORES.get(key)
     if st is None:
-        st = _STORES[key] = spec.open()
+        # a remote lone tier behind the background write-back queue: a miss never waits on the network
+        st = _STORES[key] = open_store(spec, background_writes=isinstance(spec, CacheSpec))
     return st
 
 
@@ -95,8 +100,10 @@ class ReadThrough:
 
     def __init__(self, manifest: Manifest, variant: Variant, cache: CacheSpec, *,
                  t1_dir: str | None = "default",
-                 t1_max_bytes: int | None = None, storage_options: dict | None = None) -> None:
+                 t1_max_bytes: int | None = None, storage_options: dict | None = None,
+                 record_key_file: str | None = None, confine: Sequence[str] | None = None) -> None:
         self.manifest = manifest
+        self._confine = None if confine is None else tuple(confine)  # Source(confine=): allowed prefixes
         self.variant = variant
         self.cache = cache
         self.tag = variant.tag()
@@ -104,6 +111,9 @@ class ReadThrough:
         self._t1_max_bytes = t1_max_bytes
         self._storage_options = storage_options
         self.quarantine_local: dict[str, str] = {}  # relpath -> reason, this process
+        # read (and checked: ConfigError naming the file) here, in the constructing process; pickles as its
+        # path and key id only (RecordKey.__reduce__): a spawned worker reads the file itself
+        self.record_key: RecordKey | None = load_record_key(record_key_file) if record_key_file else None
         self._prefix = sample_key(manifest.fingerprint, self.tag, 0)[:-1]  # b"dc:<fp>:<variant>:"
         self._reset()
 
@@ -139,7 +149,7 @@ class ReadThrough:
         self._check_pid()
         if self._source is None:
             self._source = Source(self.manifest.root, t1_dir=self._t1_dir, t1_max_bytes=self._t1_max_bytes,
-                                  storage_options=self._storage_options)
+                                  storage_options=self._storage_options, confine=self._confine)
         return self._source
 
     def key(self, index: int) -> bytes:
@@ -198,7 +208,7 @@ class ReadThrough:
             if buf is None:
                 miss.append(pos)
                 continue
-            rec = decode_record(buf, key)
+            rec = decode_record(buf, key, self.variant, record_key=self.record_key)
             if rec is None or rec[1] != labels[pos]:
                 invalid.add(pos)
                 miss.append(pos)
@@ -281,8 +291,8 @@ class ReadThrough:
             counts[written] += self._store.put_many(fresh, **kw)
         if rewrite:
             counts[written] += self._store.put_many(rewrite, overwrite=True, **kw)
-        if bad:
-            self._store.put_many(bad)
+        if bad:  # overwrite: an entry present but invalid (forged, another key) is replaced by a real one
+            self._store.put_many(bad, overwrite=True)
 
     # ------------------------------------------------------------ the fill, shared with warm and the daemon
     def read_files(self, indices: Sequence[int]) -> list[bytes | SourceError]:
@@ -302,7 +312,8 @@ class ReadThrough:
         def one(arg: tuple[int, bytes | BaseException]) -> Filled:
             i, data = arg
             return fill_one(data, rel=man.paths[i], size=int(man.sizes[i]), label=int(man.labels[i]),
-                            key=self.key(i), variant=self.variant, decoder=decoder)
+                            key=self.key(i), variant=self.variant, decoder=decoder,
+                            record_key=self.record_key)
 
         args = list(zip(indices, datas))
         if threads <= 1 or len(args) < 2:
@@ -313,8 +324,12 @@ class ReadThrough:
 
     def remember_bad(self, index: int, reason: str) -> tuple[bytes, bytes]:
         """The quarantine record for an undecodable file (written by the caller in its batch)."""
-        return self.qkey(index), quarantine_value(self.manifest.paths[index], self.manifest.identity(index),
-                                                  reason)
+        qkey = self.qkey(index)
+        return qkey, quarantine_value(self.manifest.paths[index], self.manifest.identity(index), reason,
+                                      qkey=qkey, record_key=self.record_key)
 
     def parse_known_bad(self, index: int, value: Any) -> str | None:
-        return parse_quarantine(value, self.manifest.paths[index], self.manifest.identity(index))
+        """The reason of a valid quarantine entry for ``index`` (MAC'd with this reader's record key if it
+        has one), else None."""
+        return parse_quarantine(value, self.manifest.paths[index], self.manifest.identity(index),
+                                qkey=self.qkey(index), record_key=self.record_key)

@@ -1,7 +1,7 @@
 """Reading original files (T0) through a local raw-bytes disk cache (T1).
 
 Every source is an fsspec URL (``/data/train``, ``file://``, ``slowfile://`` (the NFS
-stand-in, :mod:`datacache.slowfs`), ``s3://``, ``http://`` ...). T1 keeps raw file bytes in
+stand-in, :mod:`datacache.devtools.slowfs`), ``s3://``, ``http://`` ...). T1 keeps raw file bytes in
 ``t1_dir``, one file per source path named like fsspec's ``simplecache`` (sha256 of the path),
 with three deliberate differences from ``simplecache``:
 
@@ -36,14 +36,39 @@ reads use fsspec's async ``fs.cat(paths, on_error="return")`` when the protocol 
 
 Pickling (DataLoader workers, fork *and* spawn): only the configuration travels; the
 filesystem objects and the thread pool are created lazily in each process (pid-checked).
+
+**Confinement** (``confine=(prefix, ...)``; None, the default for a user's own dataset, = none): every
+file must lie under one of the prefixes (URLs or paths, like the daemon's ``allowed_sources``) or it is
+not read -- a :class:`ConfinementError` (permanent, never retried; its text names no bytes and no path
+outside). Checked on every read path (``read``, ``read_many``'s T1 lookups, async gather and threads):
+
+* **local files** (``file://``, plain paths, and local stand-ins such as ``slowfile://``): the file is
+  opened first (``O_NONBLOCK``: a FIFO cannot hang the reader; ``O_CLOEXEC``), then the real path of
+  the OPEN descriptor is checked -- ``os.readlink("/proc/self/fd/N")`` on Linux; elsewhere (no
+  ``/proc``) ``os.path.realpath`` of the name, accepted only when it is the same file (device, inode)
+  as the descriptor -- and only then is it read, from that descriptor: no time-of-check/time-of-use
+  gap for a symlink swapped in between. A FIFO, socket or device is refused (:class:`NotARegularFile`).
+  Not detected: hard links and bind mounts (the same file by every path; creating them needs rights
+  over the dataset that already allow replacing its files). A confined local source uses no T1 (a hit
+  would skip the descriptor check; copying local files gains nothing anyway).
+* **other protocols**: the file's URL (scheme, host:port, ``..``-normalised path, also after
+  percent-decoding) must lie under a prefix of the same scheme and host. HTTP(S) follows **no redirect
+  outside the prefixes** (:func:`datacache.confine.redirect_guard_options`): aiohttp's redirect hook
+  checks each ``Location`` before anything is sent there (:class:`RedirectRefused`); a redirect inside them (a
+  server's ``/dir`` -> ``/dir/``) is followed; a 3xx that is not followed is an error, so a redirect's
+  body is never taken for the file. T1 entries written by a confined source carry their own magic, so
+  an entry written by an unconfined reader (which may have followed any redirect) is never served to a
+  confined one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import random
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -51,9 +76,26 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from datacache.config import default_t1_dir
-from datacache.source_errors import SizeMismatchError, SourceError, is_transient
+from datacache.confine import (
+    OPEN_FLAGS,
+    OUTSIDE,
+    Prefix,
+    confine_prefix,
+    fd_real_path,
+    guarded_options,
+    path_under,
+    url_under,
+)
+from datacache.source_errors import (
+    ConfinementError,
+    NotARegularFile,
+    SizeMismatchError,
+    SourceError,
+    is_transient,
+)
 
 _LOCAL_PROTOCOLS = ("file", "local")
 _INIT_LOCK = threading.Lock()
@@ -68,17 +110,22 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_init_lock)
 
 _T1_MAGIC = b"DCT1"
+_T1_CONFINED = b"DCC1"  # written by a confined source: the only entries a confined source serves
 
 
-def _t1_header(identity: str) -> bytes:
+def _t1_header(identity: str, magic: bytes = _T1_MAGIC) -> bytes:
     ident = identity.encode()
-    return _T1_MAGIC + len(ident).to_bytes(2, "little") + ident
+    return magic + len(ident).to_bytes(2, "little") + ident
 
 
-def _t1_unwrap(raw: bytes, identity: str) -> bytes | None:
-    """The payload of a T1 entry if it was written for ``identity``, else None."""
-    head = _t1_header(identity)
-    return raw[len(head):] if raw.startswith(head) else None
+def _t1_unwrap(raw: bytes, identity: str, confined: bool = False) -> bytes | None:
+    """The payload of a T1 entry if it was written for ``identity`` (by a confined source when
+    ``confined``; an unconfined reader takes either kind), else None."""
+    for magic in (_T1_CONFINED,) if confined else (_T1_MAGIC, _T1_CONFINED):
+        head = _t1_header(identity, magic)
+        if raw.startswith(head):
+            return raw[len(head):]
+    return None
 
 
 def _wrong_size(data: bytes, size: int | None) -> bool:
@@ -97,8 +144,13 @@ class Source:
 
     def __init__(self, url: str, *, t1_dir: str | None = "default", t1_max_bytes: int | None = None,
                  storage_options: dict | None = None, retries: int = 3, backoff: float = 0.2,
-                 force_t1: bool = False, workers: int = 8) -> None:
+                 force_t1: bool = False, workers: int = 8, confine: Sequence[str] | None = None) -> None:
         self.url = normalise_url(url)
+        if confine is not None and "::" in self.url:
+            raise ValueError(f"{self.url}: a confined source cannot be a chained (cached) URL")
+        # None: no confinement; a tuple (even empty: nothing is allowed) of normalised prefixes
+        self.confine: tuple[Prefix, ...] | None = (None if confine is None
+                                                   else tuple(confine_prefix(p) for p in confine))
         self.storage_options = dict(storage_options or {})
         self.retries = int(retries)
         self.backoff = float(backoff)
@@ -120,14 +172,15 @@ class Source:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._trim_lock = threading.Lock()
+        self._local = False  # a local-family filesystem (confined reads go through a descriptor)
         self._stats = {"t1_hits": 0, "t1_misses": 0, "bytes_read": 0, "retries": 0, "errors": 0,
-                       "t1_evicted_bytes": 0}
+                       "t1_evicted_bytes": 0, "refused": 0}
         self._since_trim = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()
                 if k not in ("_pid", "_fs", "_cfs", "_root", "_pool", "_lock", "_trim_lock", "_stats",
-                             "_since_trim")}
+                             "_since_trim", "_local")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -143,8 +196,13 @@ class Source:
             # a fork inherits the parent's fs objects and pool threads (threads do not survive a
             # fork, so the pool would hang): rebuild everything in this process
             self._reset()
-            fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+            opts = (self.storage_options if self.confine is None
+                    else guarded_options(self.url, self.storage_options, self.confine))
+            fs, root = fsspec.core.url_to_fs(self.url, **opts)
             self._fs, self._root = fs, root.rstrip("/")
+            self._local = isinstance(fs, LocalFileSystem)
+            if self.confine is not None and self._local:
+                self.use_t1 = False  # a T1 hit would skip the descriptor check (module docstring)
             if self.use_t1:
                 os.makedirs(self.t1_dir, exist_ok=True)
                 self._cfs = fsspec.filesystem("simplecache", fs=fs, cache_storage=self.t1_dir)
@@ -156,6 +214,54 @@ class Source:
     def url_of(self, relpath: str) -> str:
         """Full URL of ``relpath`` (for messages; a ``?query`` of the root is left out)."""
         return posixpath.join(self.url.split("?", 1)[0].rstrip("/"), relpath.lstrip("/"))
+
+    # ------------------------------------------------------------ confinement
+    def _refuse(self, why: str = OUTSIDE) -> ConfinementError:
+        self._count("refused")
+        return ConfinementError(why)
+
+    def _check_url(self, relpath: str) -> None:
+        """Confined non-local sources: the file's URL must lie under a prefix (module docstring)."""
+        if self.confine is None or self._local:
+            return
+        if not url_under(self._fs.unstrip_protocol(self._full(relpath)), self.confine):
+            raise self._refuse()
+
+    def _read_local(self, full: str, size: int | None) -> bytes:
+        """A confined local read: open, check the open descriptor's real path, read from it."""
+        assert self.confine is not None
+        path = self._fs._strip_protocol(full)
+        fd = os.open(path, OPEN_FLAGS)
+        try:
+            try:
+                real = fd_real_path(fd, path)
+            except ConfinementError:
+                self._count("refused")
+                raise
+            if not any(kind == "local" and path_under(real, pp) for kind, _, pp in self.confine):
+                raise self._refuse()
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise NotARegularFile("not a regular file (a FIFO, socket or device); remove it from the "
+                                      "dataset")
+            limit = size + 1 if size is not None and size >= 0 else -1  # a file grown huge is not slurped
+            if type(self._fs) is LocalFileSystem:
+                with os.fdopen(fd, "rb", closefd=True) as f:
+                    fd = -1
+                    return f.read(limit)
+            # a local stand-in (slowfile://, a test/bench stand-in) reads through its own opener (its
+            # pacing): that opens the name again, so the file it opened must be the one checked (device,
+            # inode); a FIFO swapped in between would block that second open (plain local files: no reopen)
+            with self._fs.open(full, "rb") as f:
+                fst = os.fstat(f.fileno())
+                if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+                    raise self._refuse("the file changed while it was being opened; refused")
+                return f.read(limit)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def _t1_file(self, full: str) -> str:
         cfs = self._cfs
@@ -182,13 +288,15 @@ class Source:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _fetch(self, full: str, size: int | None) -> bytes:
-        data = self._fs.cat_file(full)
+        data = self._read_local(full, size) if self.confine is not None and self._local else \
+            self._fs.cat_file(full)
         self._count("bytes_read", len(data))
         if _wrong_size(data, size):
             raise SizeMismatchError(len(data), size)  # transient; never reaches T1
         return data
 
     def _read_once(self, relpath: str, size: int | None, identity: str | None, lookup: bool) -> bytes:
+        self._check_url(relpath)  # before T1: an entry must not launder a URL outside the prefixes
         full = self._full(relpath)
         if not self.use_t1 or identity is None:
             return self._fetch(full, size)
@@ -207,7 +315,7 @@ class Source:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             self._count("t1_misses")
             return None
-        data = _t1_unwrap(raw, identity)
+        data = _t1_unwrap(raw, identity, confined=self.confine is not None)
         if data is None or _wrong_size(data, size):
             self._count("t1_misses")  # another version of the file (or damaged): refilled by the caller
             return None
@@ -221,7 +329,7 @@ class Source:
         tmp = f"{fn}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
             with open(tmp, "wb") as f:
-                f.write(_t1_header(identity))
+                f.write(_t1_header(identity, _T1_MAGIC if self.confine is None else _T1_CONFINED))
                 f.write(data)
             os.replace(tmp, fn)  # atomic publish: readers never see a partial entry
         except OSError:  # a full or read-only T1 disk must not fail the read
@@ -282,9 +390,19 @@ class Source:
         ids: list[str | None] = list(identities) if identities is not None else [None] * n
         out: list[bytes | SourceError | None] = [None] * n
         todo = list(range(n))
-        if self.use_t1:
+        if self.confine is not None and not self._local:  # URLs outside the prefixes: no T1, no request
             todo = []
             for i, rp in enumerate(relpaths):
+                try:
+                    self._check_url(rp)
+                    todo.append(i)
+                except ConfinementError as e:
+                    self._count("errors")
+                    out[i] = SourceError(self.url_of(rp), e)
+        if self.use_t1:
+            todo, candidates = [], todo
+            for i in candidates:
+                rp = relpaths[i]
                 ident = ids[i]
                 hit = None if ident is None else self._t1_get(self._t1_file(self._full(rp)), sz[i], ident)
                 if hit is None:

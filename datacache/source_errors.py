@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from datacache.redact import redact, redact_text
+
 try:
     import aiohttp
 
@@ -17,7 +19,25 @@ except ImportError:  # pragma: no cover
     aiohttp = None  # type: ignore[assignment]
     _AIOHTTP_ERRORS = ()
 
-_PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+class ConfinementError(PermissionError):
+    """A confined :class:`~datacache.source.Source` refused a file: its real path (after symlinks) or its
+    URL lies outside the allowed prefixes. Permanent (never retried); the message names no bytes and no
+    path outside the prefixes."""
+
+
+class RedirectRefused(ConfinementError):
+    """A confined HTTP(S) source answered with a redirect (3xx): redirects are not followed, and the
+    body of the 3xx is never taken for the file."""
+
+
+class NotARegularFile(OSError):
+    """A confined local read found a FIFO, socket or device where a file was listed (permanent: such a
+    "file" is never opened for reading, so a FIFO cannot hang the reader)."""
+
+
+_PERMANENT = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, NotARegularFile)
 
 
 class SizeMismatchError(OSError):
@@ -40,7 +60,7 @@ class SourceError(Exception):
     def __init__(self, path: str, cause: BaseException | str) -> None:
         self.path = path
         self.cause = cause
-        super().__init__(f"cannot read {path}: {_advice(cause)}")
+        super().__init__(f"cannot read {redact(path)}: {_advice(cause)}")  # a source URL's password hidden
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (SourceError, (self.path, self.cause if _picklable(self.cause) else repr(self.cause)))
@@ -60,11 +80,14 @@ def _advice(cause: BaseException | str) -> str:
         return "it is a directory, not a file; rename or remove it"
     if isinstance(cause, NotADirectoryError):
         return "a component of the path is not a directory; check the dataset layout"
+    if isinstance(cause, (ConfinementError, NotARegularFile)):
+        return str(cause)  # fixed texts (datacache.source): no bytes, no path outside the allowed prefixes
     if isinstance(cause, PermissionError):
         return "permission denied; fix the file permissions or the storage credentials"
     if isinstance(cause, SizeMismatchError):
         return str(cause)
-    return f"{type(cause).__name__}: {cause}; check the storage/network health (retried with backoff)"
+    return (f"{type(cause).__name__}: {redact_text(str(cause))[:300]}; check the storage/network health "
+            "(retried with backoff)")
 
 
 def is_transient(exc: BaseException) -> bool:

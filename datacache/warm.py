@@ -44,6 +44,8 @@ from datacache.fill import Decoder, fill_one
 from datacache.manifest import Manifest
 from datacache.quarantine_summary import QuarantineSummary
 from datacache.readthrough import ReadThrough, manifest_dir_for
+from datacache.record import RecordKey, resolve_record_key_file
+from datacache.stores import open_store
 
 log = logging.getLogger("datacache.warm")
 
@@ -73,18 +75,22 @@ class WarmReport:
 # sizes, labels and keys, and a small context (variant, decoder, where to write) -- and the worker keeps
 # the context's live objects (a DALI pipeline, its own Redis connection) under the context's digest,
 # so they are built once per worker, not once per task. The worker never uses the store it inherited.
-_CTX: dict[bytes, tuple[Variant, Decoder | None, Any]] = {}
+_CTX: dict[bytes, tuple[Variant, Decoder | None, Any, RecordKey | None]] = {}
 _CTX_MAX = 8  # contexts kept per worker (datasets x variants); the oldest is dropped (its store closed)
 
 Item = tuple[int, str, int, int, bytes]  # (index, relpath, size, label, key)
-Context = tuple[Variant, Any, Any]  # (variant, decoder or None, StoreSpec of a remote store or None)
+# (variant, decoder or None, StoreSpec of a remote store or None, record key or None). The record key
+# pickles as its file's path and key id (RecordKey.__reduce__): a worker reads the key file itself (once
+# per process) and refuses a file that now holds another key, so every record a worker encodes is MAC'd
+# with the fill's key and the key bytes never travel through the pool's pipes.
+Context = tuple[Variant, Any, Any, Any]
 
 
-def _context(digest: bytes, ctx: Context) -> tuple[Variant, Decoder | None, Any]:
+def _context(digest: bytes, ctx: Context) -> tuple[Variant, Decoder | None, Any, RecordKey | None]:
     got = _CTX.get(digest)
     if got is None:
-        variant, decoder, spec = ctx
-        got = (variant, decoder, spec.open() if spec is not None else None)
+        variant, decoder, spec, record_key = ctx
+        got = (variant, decoder, open_store(spec) if spec is not None else None, record_key)
         if len(_CTX) >= _CTX_MAX:
             old = _CTX.pop(next(iter(_CTX)))[2]
             if old is not None:
@@ -102,12 +108,13 @@ Chunk = tuple[list[Result], int | None, int]  # results, written by the worker, 
 def _decode_chunk(digest: bytes, ctx: Context, items: Sequence[Item], datas: list[Any]) -> Chunk:
     """Decode + encode a chunk (in a pool worker) and, for a remote store, write it; the records of
     written samples come back as ``b""`` (decoded, written here)."""
-    variant, decoder, store = _context(digest, ctx)
+    variant, decoder, store, record_key = _context(digest, ctx)
     if hasattr(decoder, "prepare"):  # a batch backend (DALI) decodes the whole chunk at once
         decoder.prepare(datas, variant)
     out: list[Result] = []
     for (i, rel, size, label, key), data in zip(items, datas):
-        got = fill_one(data, rel=rel, size=size, label=label, key=key, variant=variant, decoder=decoder)
+        got = fill_one(data, rel=rel, size=size, label=label, key=key, variant=variant, decoder=decoder,
+                       record_key=record_key)
         out.append((i, got.record, got.reason, got.remember))
     if store is None:
         return out, None, 0
@@ -152,7 +159,7 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
             rep.seconds = time.monotonic() - t0
             return rep
         remote = store_spec if getattr(store, "remote", False) else None  # workers write to Redis themselves
-        ctx: Context = (reader.variant, decoder, remote)
+        ctx: Context = (reader.variant, decoder, remote, reader.record_key)
         digest = hashlib.sha256(pickle.dumps(ctx)).digest()  # our own objects (never a cache value)
         log.info("fill %s -> %s: %d samples, %d already cached, %d to decode with %d processes",
                  reader.manifest.root, store.url, rep.total, rep.skipped, len(todo), workers)
@@ -231,7 +238,10 @@ def missing_in(reader: ReadThrough, store: Any, indices: Sequence[int], step: in
         part = sl.tolist() if hasattr(sl, "tolist") else list(sl)  # numpy indices -> Python ints
         have = store.contains(reader.keys(part))
         todo = [i for i, h in zip(part, have) if not h]
-        bad = store.contains([reader.qkey(i) for i in todo]) if todo else []
+        # quarantine entries are read and checked, not just tested for presence: an entry that is not
+        # valid for this reader (forged, another record key, junk) must not stop the fill of a good file
+        entries = store.get_many([reader.qkey(i) for i in todo]) if todo else []
+        bad = [q is not None and reader.parse_known_bad(i, q) is not None for i, q in zip(todo, entries)]
         out.append(np.fromiter((i for i, b in zip(todo, bad) if not b), dtype=np.int64))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
@@ -317,22 +327,25 @@ def _write_chunk(reader: ReadThrough, store: Any, got: Chunk, rep: WarmReport) -
     else:
         rep.written += written
         rep.worker_write_errors += worker_errors
-    store.put_many(bad_items)
+    store.put_many(bad_items, overwrite=True)  # replaces an invalid entry (one that did not stop the fill)
 
 
 def warm_cache(source: str, cache: str | None = None, *, workers: int = 2, short_side: int = 160,
                variant: Variant | None = None, revalidate: str = "dirs", t1_dir: str | None = "default",
                t1_max_bytes: int | None = None, storage_options: dict | None = None,
-               progress: bool = True) -> WarmReport:
-    """Decode every sample of ``source`` that ``cache`` does not hold yet and write it there."""
+               progress: bool = True, record_key_file: str | None = None) -> WarmReport:
+    """Decode every sample of ``source`` that ``cache`` does not hold yet and write it there.
+    ``record_key_file``: MAC every record and quarantine entry with that key (None: the file named by
+    ``$DATACACHE_RECORD_KEY_FILE`` if set; "": no key)."""
     variant = variant or Variant(short_side=short_side)
     spec = parse_cache_url(cache or default_cache_url(), check=True)
     man = Manifest.build(source, storage_options=storage_options, persist_dir=manifest_dir_for(spec),
                          revalidate=revalidate)
     reader = ReadThrough(man, variant, spec, t1_dir=t1_dir, t1_max_bytes=t1_max_bytes,
-                         storage_options=storage_options)
+                         storage_options=storage_options,
+                         record_key_file=resolve_record_key_file(record_key_file))
     # a lone remote tier is written directly (synchronous, acknowledged writes from the pool workers)
-    lone = spec.tiers[0].open() if len(spec.tiers) == 1 else None
+    lone = open_store(spec.tiers[0]) if len(spec.tiers) == 1 else None
     direct = lone if getattr(lone, "remote", False) else None
     rep = fill_missing(reader, range(len(man)), workers=workers, progress=progress, store=direct,
                        store_spec=spec.tiers[0] if direct is not None else None)

@@ -15,17 +15,24 @@
 # default 8470), HEALTH_WAIT (seconds to wait for each daemon's /health, default 60), DOWN_WAIT (seconds
 # `down` lets a daemon drain after SIGTERM before it kills its process group, default 30).
 # Extra arguments of `demo` go to `datacache demo`.
+#
+# No password-less access: the masters run with the default user off and three ACL roles (admin,
+# datacache-daemon for the daemons, datacache for trainers; deploy/redis/redis.conf says what each may
+# do). Their random passwords live in $DIR/secrets/<role>.pass (mode 0600, directory 0700; made by the
+# first `up`, reused later, removed by `down`). Every URL names its file, never the password:
+#   redis+cluster://datacache@127.0.0.1:7000,...?password_file=$DIR/secrets/datacache.pass
+# (`up` prints it; so does `python -m datacache.devtools.redis_local url --dir $DIR --role datacache`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT="${PORT:-7000}"
 DIR="${DIR:-/tmp/datacache-local-cluster}"
+case "$DIR" in /*) ;; *) DIR="$PWD/$DIR" ;; esac  # absolute: the URLs' password_file= must not depend on cwd
 IMAGES="${IMAGES:-1000}"
 MAXMEMORY="${MAXMEMORY:-1gb}"
 HTTP_PORT="${HTTP_PORT:-8470}"
 HEALTH_WAIT="${HEALTH_WAIT:-60}"
 DOWN_WAIT="${DOWN_WAIT:-30}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-URL="redis+cluster://127.0.0.1:$PORT,127.0.0.1:$((PORT + 1)),127.0.0.1:$((PORT + 2))"
 cmd="${1:-demo}"; shift || true
 
 say() { echo "[local-cluster] $*" >&2; }
@@ -54,6 +61,11 @@ ensure_deps() {
       die "redis-server / redis-cli not found: run 'sudo apt-get install redis-server' (or put them on PATH), then retry"
     fi
   fi
+}
+
+# the cluster's URL for a role: user@hosts?password_file=$DIR/secrets/<role>.pass (no password in it)
+role_url() {
+  "$PY" -m datacache.devtools.redis_local url --dir "$DIR" --base-port "$PORT" --role "$1"
 }
 
 dataset() {
@@ -98,14 +110,16 @@ up() {
   pick_python
   ensure_deps
   # redis_local refuses a DIR it did not create (non-empty without its marker) and restarts dead masters
-  "$PY" -m datacache.redis_local up --dir "$DIR" --base-port "$PORT" --maxmemory "$MAXMEMORY" >/dev/null
-  local src started=() i
+  "$PY" -m datacache.devtools.redis_local up --dir "$DIR" --base-port "$PORT" --maxmemory "$MAXMEMORY" >/dev/null
+  local src started=() i daemon_url
+  daemon_url="$(role_url datacache-daemon)"
   for i in 0 1 2; do
     daemon_alive "$i" && continue
     [ -n "${src:-}" ] || src="$(dataset)"
     # setsid: each daemon leads its own process group (with its decode pool), so `down` can kill the
     # whole group if a drain hangs, and a Ctrl-C in this terminal does not reach it
-    setsid "$PY" -m cache_daemon --cache "$URL" --redis-node "127.0.0.1:$((PORT + i))" --node "node-$i" \
+    # the URL names the daemons' password file: nothing secret on this command line (ps shows it)
+    setsid "$PY" -m cache_daemon --cache "$daemon_url" --redis-node "127.0.0.1:$((PORT + i))" --node "node-$i" \
       --dataset "$src" --http-port "$((HTTP_PORT + i))" --poll-interval 5 --no-progress \
       >"$DIR/daemon-$i.log" 2>&1 &
     echo $! >"$DIR/daemon-$i.pid"
@@ -116,10 +130,12 @@ up() {
     wait_daemon "$i" || failed=1
   done
   [ "$failed" = 0 ] || die "not up: a cache daemon failed (see above); 'deploy/local-cluster.sh down' stops the rest"
+  local url
+  url="$(role_url datacache)"
   if [ "${#started[@]}" = 0 ]; then
-    say "already up: $URL; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2))"
+    say "already up: $url; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2))"
   else
-    say "up: $URL; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2)) (started node ${started[*]}; logs in $DIR)"
+    say "up: $url; daemons on http://127.0.0.1:$HTTP_PORT..$((HTTP_PORT + 2)) (started node ${started[*]}; logs in $DIR)"
   fi
 }
 
@@ -141,12 +157,12 @@ down() {
     # only the files up wrote, and only in a DIR that up claimed (it holds redis_local's marker)
     if [ -f "$DIR/.datacache-local-cluster" ]; then rm -f "$DIR/daemon-$i.pid" "$DIR/daemon-$i.log"; fi
   done
-  "$PY" -m datacache.redis_local down --dir "$DIR"
+  "$PY" -m datacache.devtools.redis_local down --dir "$DIR"
 }
 
 status() {
   PY="${PYTHON:-python3}"  # stdlib-only: redis_local/local_status import nothing else (tested)
-  "$PY" -m datacache.redis_local status --dir "$DIR" --base-port "$PORT" --http-port "$HTTP_PORT" "$@"
+  "$PY" -m datacache.devtools.redis_local status --dir "$DIR" --base-port "$PORT" --http-port "$HTTP_PORT" "$@"
 }
 
 case "$cmd" in
@@ -156,8 +172,9 @@ case "$cmd" in
   demo)
     up
     src="$(dataset)"
-    say "datacache demo --source $src --cache $URL $*"
-    "$PY" -m datacache.cli demo --source "$src" --cache "$URL" "$@"
+    url="$(role_url datacache)"  # the trainers' role: reads, writes back samples, no registry writes
+    say "datacache demo --source $src --cache $url $*"
+    "$PY" -m datacache.cli demo --source "$src" --cache "$url" "$@"
     say "still running; 'deploy/local-cluster.sh status' shows the fill per node, 'down' stops it"
     ;;
   *) echo "usage: deploy/local-cluster.sh [demo|up|status [--json]|down]" >&2; exit 2 ;;

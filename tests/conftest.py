@@ -5,7 +5,7 @@
 * ``imagefolder_factory`` (function): ``make(classes=3, per_class=4, size=(200, 150), **kw)``
   writes a fresh ImageFolder under ``tmp_path`` and returns its root (str).
 * ``bad_imagefolder`` (session) and ``bad_cases``: ``small_imagefolder``'s images plus every
-  case of :func:`datacache.synth.write_bad_inputs` and three more that ``bad_cases``
+  case of :func:`datacache.devtools.synth.write_bad_inputs` and three more that ``bad_cases``
   names: ``dangling_symlink`` (an image-named symlink to nothing: listed, unreadable),
   ``directory_named_jpeg`` (a directory ``x.JPEG``: walked into like torchvision, never a
   sample) and ``empty_class`` (an empty class folder ``c999_empty``, which keeps its index).
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 
-from datacache.synth import make_imagefolder, write_bad_inputs
+from datacache.devtools.synth import make_imagefolder, write_bad_inputs
 
 pytest_plugins = ["tests.redis_utils"]  # real redis-server fixtures: redis_url, cluster_url, fresh_cluster
 

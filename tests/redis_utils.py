@@ -16,7 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from datacache.redis_local import LocalCluster, RedisServer, redis_available, start_cluster, start_server
+from datacache.devtools.redis_local import (
+    LocalCluster,
+    RedisServer,
+    redis_available,
+    start_cluster,
+    start_server,
+)
 
 try:
     import redis  # noqa: F401

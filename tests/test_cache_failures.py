@@ -18,9 +18,9 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from client.dataset import CachedImageNet
-from datacache import synth
 from datacache.config import Variant
 from datacache.decode import decode_image
+from datacache.devtools import synth
 
 SHORT = 48
 

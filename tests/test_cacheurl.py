@@ -12,6 +12,7 @@ import pytest
 from datacache import fscheck
 from datacache.cacheurl import parse_bytes, parse_cache_url
 from datacache.config import ConfigError
+from datacache.stores import open_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +26,7 @@ def test_parse_normalises_and_types_options(tmp_path, monkeypatch: pytest.Monkey
     monkeypatch.chdir(tmp_path)
     assert parse_cache_url("lmdb://rel").store.location == f"{tmp_path}/rel"  # absolute in the parent
     assert pickle.loads(pickle.dumps(spec)) == spec
-    assert parse_cache_url("memory://").store.open().url == "memory://"
+    assert open_store(parse_cache_url("memory://").store).url == "memory://"
     assert (parse_bytes("4GiB"), parse_bytes("1.5k"), parse_bytes("12"), parse_bytes("x")) == (4 << 30, 1500,
                                                                                               12, None)
 
@@ -46,7 +47,7 @@ def test_parse_normalises_and_types_options(tmp_path, monkeypatch: pytest.Monkey
     ("redis://127.0.0.1:6379/zero", ["database 'zero' must be a number"]),
     ("redis+cluster://h1:7000,h2", ["'h2' is not host:port"]),
     ("redis+cluster://h1:7000/0", ["no database number"]),
-    ("redis://user@h:1", ["user:password@"]),
+    ("redis://@h:1", ["user:password@"]),
     ("redis://h:1?socket_timeout=soon", ["socket_timeout='soon'", "a number"]),
     ("redis://h:1?tls=1", ["unknown option 'tls'", "ssl_ca_certs"]),
     ("lmdb:///a::bogus://b", ["unknown scheme 'bogus'"]),

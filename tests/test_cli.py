@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from datacache import synth
 from datacache.cli import main
+from datacache.devtools import synth
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

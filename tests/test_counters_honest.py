@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from datacache.cacheurl import parse_cache_url
-from datacache.redis_local import start_server
+from datacache.devtools.redis_local import start_server
+from datacache.stores import open_store
 from datacache.tiered import TieredStore
 from tests.redis_utils import needs_redis
 
@@ -24,7 +24,7 @@ def _dbsize(port: int) -> int:
 def test_writeback_counts_what_a_full_server_acknowledged(tmp_path) -> None:
     srv = start_server(str(tmp_path / "full"), maxmemory="1mb", policy="noeviction")
     try:
-        store = parse_cache_url(f"redis://{srv.addr}/0").open()
+        store = open_store(f"redis://{srv.addr}/0", background_writes=True)
         assert isinstance(store, TieredStore)
         value = os.urandom(5_000)
         batches = [[(b"dc:honest:%d" % i, value) for i in range(s, s + 10)] for s in range(0, 200, 10)]
@@ -50,7 +50,7 @@ def test_a_failing_tier_call_in_the_writer_thread_is_counted(tmp_path) -> None:
     """A tier whose put_many raises (breaking its contract) still counts every item as an error."""
     srv = start_server(str(tmp_path / "ok"))
     try:
-        store = parse_cache_url(f"redis://{srv.addr}/0").open()
+        store = open_store(f"redis://{srv.addr}/0", background_writes=True)
         tier = store.tiers[0]
 
         def broken(items, *, overwrite=False):

@@ -15,36 +15,19 @@ import pytest
 
 from cache_daemon.daemon_config import load_config
 from datacache.config import ConfigError
+from datacache.devtools.redis_local import free_port
 from datacache.record import decode_record
-from datacache.redis_local import free_port
+from datacache.stores import open_store
+from tests.daemon_procs import daemon_procs, spawn_daemon  # noqa: F401 (autouse fixture)
 from tests.redis_utils import cli, needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 32
 
 
-_STARTED: list[subprocess.Popen] = []
-
-
-@pytest.fixture(autouse=True)
-def _reap_daemons():
-    """Whatever a test leaves running (a failed assertion, a timeout) is killed with its decode pool."""
-    yield
-    while _STARTED:
-        p = _STARTED.pop()
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
-
-
 def start_daemon(*args: str, log: str) -> subprocess.Popen:
-    """A daemon in its own process group (SIGKILL of the group = what systemd does to the unit)."""
-    with open(log, "ab") as f:
-        p = subprocess.Popen([sys.executable, "-m", "cache_daemon", "--no-progress", "--workers", "1",
-                              "--poll-interval", "0.3", *args], stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
-    _STARTED.append(p)
-    return p
+    """A daemon in its own process group, polling every 0.3 s (reaped by ``daemon_procs``)."""
+    return spawn_daemon(["--poll-interval", "0.3", *args], log)
 
 
 def read(path: str) -> str:
@@ -71,7 +54,7 @@ def test_config_toml_env_and_errors(tmp_path) -> None:
     assert cfg.datasets[0].short_side == 96 and cfg.datasets[0].variant().tag().startswith("s96")
     bad = [
         ('cache = "redis://h:1"\nworkerz = 2\n', {}, ["unknown key(s) workerz", "valid keys", "workers"]),
-        ('cache = "redis://h:1"\ndecoder = "simd"\n', {}, ["decoder = 'simd'", "pillow, dali"]),
+        ('cache = "redis://h:1"\ndecoder = "simd"\n', {}, ["decoder='simd'", "pillow, dali"]),
         ('cache = "redis://h:1"\n', {"DATACACHE_DAEMON_OWNERSHIP": "round-robin"},
          ["ownership", "cluster, hash, all"]),
         ('cache = "redis://h:1"\n', {"DATACACHE_DAEMON_HTTP_PORT": "high"},
@@ -236,7 +219,7 @@ def test_wait_warm_times_out_with_the_fill_so_far(redis_url: str, small_imagefol
 
 @needs_redis
 def test_memory_budget_stops_filling_minio_policy(tmp_path, imagefolder_factory) -> None:
-    from datacache.redis_local import start_server
+    from datacache.devtools.redis_local import start_server
 
     root = imagefolder_factory(classes=2, per_class=20, size=(213, 160))  # ~102 KB records at 160 px
     srv = start_server(str(tmp_path / "r"), maxmemory="3mb", policy="noeviction")
@@ -263,7 +246,7 @@ def _one_pass(cache: str, root: str, **cfg_kw):
     from datacache.cacheurl import parse_cache_url
 
     cfg = DaemonConfig(cache=cache, node="n0", workers=1, t1_dir="none", **cfg_kw)
-    store = parse_cache_url(cache).tiers[-1].open()
+    store = open_store(parse_cache_url(cache).tiers[-1])
     state = DatasetState(DatasetSpec(root, short_side=SHORT))
     rep = ingest_pass(cfg, state, store, decoder=None, stop=threading.Event(), progress=False)
     return state, rep, store

@@ -17,6 +17,7 @@ import pytest
 from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
 from cache_daemon.ingest import DatasetState, ingest_pass
 from datacache.config import ConfigError
+from datacache.stores import open_store
 from tests.redis_utils import cli, needs_redis, slot_owners
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +41,7 @@ class Node:
 
         self.cfg = DaemonConfig(cache=url, node="n0", redis_node=redis_node, ownership="cluster", workers=1,
                                 t1_dir="none", **kw)  # type: ignore[arg-type]
-        self.store = parse_cache_url(url).tiers[-1].open()
+        self.store = open_store(parse_cache_url(url).tiers[-1])
         self.state = DatasetState(DatasetSpec(root, short_side=SHORT))
 
     def run(self):
@@ -53,7 +54,7 @@ class Node:
         from datacache.keys import sample_key
 
         return [sample_key(self.state.fingerprint, self.state.variant_tag, int(i))
-                for i in self.state.owned_cache.indices]  # type: ignore[union-attr]
+                for i in self.state.memo.owned.indices]  # type: ignore[union-attr]
 
     def all_present(self, port: int) -> bool:
         import redis
@@ -246,7 +247,7 @@ def test_standalone_redis_has_the_shortcut_too(redis_url, redis_server, imagefol
 
     root = imagefolder_factory(classes=2, per_class=5, size=(48, 32))
     cfg = DaemonConfig(cache=redis_url, node="n0", ownership="all", workers=1, t1_dir="none")
-    store = parse_cache_url(redis_url).tiers[-1].open()
+    store = open_store(parse_cache_url(redis_url).tiers[-1])
     state = DatasetState(DatasetSpec(root, short_side=SHORT))
     for _ in range(3):
         ingest_pass(cfg, state, store, decoder=None, stop=threading.Event(), progress=False)
@@ -263,7 +264,7 @@ def test_lmdb_has_no_stamp_and_checks_every_key(imagefolder_factory, tmp_path) -
     root = imagefolder_factory(classes=2, per_class=3, size=(48, 32))
     url = f"lmdb://{tmp_path}/lmdb"
     cfg = DaemonConfig(cache=url, node="n0", ownership="all", workers=1, t1_dir="none")
-    store = parse_cache_url(url).tiers[-1].open()
+    store = open_store(parse_cache_url(url).tiers[-1])
     state = DatasetState(DatasetSpec(root, short_side=SHORT))
     try:
         for _ in range(2):

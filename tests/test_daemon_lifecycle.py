@@ -24,7 +24,7 @@ import pytest
 from cache_daemon.daemon_config import DaemonConfig, load_config
 from cache_daemon.watchdog import Watchdog
 from datacache.config import ConfigError
-from datacache.redis_local import free_port
+from datacache.devtools.redis_local import free_port
 from tests.redis_utils import cli, needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,7 +195,7 @@ def test_one_pool_serves_every_pass_of_every_dataset(redis_url: str, redis_serve
         bit = 1 << (sig - 1)
         assert masks["SigIgn"] & bit and not masks["SigBlk"] & bit and not masks["SigCgt"] & bit, masks
     assert not sig_masks(p.pid)["SigBlk"] & (1 << (signal.SIGTERM - 1))  # the daemon's mask restored
-    from datacache.synth import make_imagefolder
+    from datacache.devtools.synth import make_imagefolder
 
     make_imagefolder(a, classes=2, per_class=8, size=(80, 60), seed=1)  # a changed dataset: 16 files
     wait_for(lambda: get(port, "/status")[1]["datasets"][0]["owned"] == 16 and full(), 120, p, log)

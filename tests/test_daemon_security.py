@@ -310,7 +310,8 @@ def test_fuzzed_requests_never_get_5xx_and_the_server_survives(daemon_factory, s
     d = daemon_factory(api_token=TOKEN, allowed_sources=(small_imagefolder,))
     rng = random.Random(1234)
     methods = ["GET", "POST", "DELETE", "PUT", "HEAD", "OPTIONS", "PATCH", "X", "get", "P0ST"]
-    paths = ["/health", "/status", "/datasets", "/datasets/", "/datasets/a%7Cb", "/metrics", "/", "//",
+    paths = ["/health", "/livez", "/readyz", "/status", "/datasets", "/datasets/", "/datasets/a%7Cb",
+             "/metrics", "/", "//",
              "/datasets/%zz", "/status?x=1", "/../etc/passwd", "*", "/datasets/" + "a" * 3000, "/%00"]
     values = [0, -1, 1, 2048, 2049, 10 ** 30, 1.5, "x", "", None, True, [], {}, [1, [2]], "raw", "jpeg",
               "dirs", "full", "none", small_imagefolder, "/etc", "http://127.0.0.1:9/x"]
@@ -429,3 +430,22 @@ def test_a_daemon_without_a_redis_tier_runs_its_passes(tmp_path, imagefolder_fac
     assert d.loop_status()["passes"] >= 1 and d.loop_status()["failed_rounds"] == 0
     d.failed_rounds, d.round_error = 3, "ConnectionError: registry unreachable"  # three failed rounds
     assert "3 rounds in a row failed" in d.loop_status()["stuck"]["reason"]  # /health turns 503 on "stuck"
+
+
+@needs_redis
+def test_probe_endpoints_are_get_only_need_no_token_and_answer_head(daemon_factory) -> None:
+    d = daemon_factory(api_token=TOKEN)
+    for path in ("/livez", "/readyz", "/health"):
+        code, _, body = _http(d.port, "GET", path)
+        assert code == 200 and body["ok"] is True and body["node"] == "n1", (path, body)
+        code, headers, raw = _request(d.port, f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert code == 200 and raw == b"" and int(headers["content-length"]) > 0, path
+        for method in ("POST", "DELETE", "PUT"):
+            code, headers, body = _http(d.port, method, path, body=b"{}" if method == "POST" else None,
+                                        token=TOKEN)
+            assert code == 405 and headers["allow"] == "GET" and "use GET" in body["error"], (path, method)
+    code, _, body = _http(d.port, "GET", "/nope")
+    assert code == 404 and "/livez" in body["error"] and "/readyz" in body["error"]
+    live, ready = _http(d.port, "GET", "/livez")[2], _http(d.port, "GET", "/readyz")[2]
+    assert live["reason"] is None and live["loop"]["stuck"] is None
+    assert ready["store"]["backend"] == "redis" and ready["store"]["detail"].startswith("PONG")

@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 from cache_daemon.decoders import DaliDecoder, dali_available, gpu_available
-from datacache import synth
 from datacache.cacheurl import parse_cache_url
 from datacache.config import Variant
 from datacache.decode import decode_image
+from datacache.devtools import synth
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough
 from datacache.record import decode_record
+from datacache.stores import open_store
 from datacache.warm import fill_missing
 
 pytestmark = pytest.mark.skipif(dali_available() is not None, reason=str(dali_available()))
@@ -116,7 +117,7 @@ def test_daemon_pass_with_dali_fills_and_reports_the_dali_tag(photos: str, tmp_p
 
     cache = f"lmdb://{tmp_path}/lmdb"
     cfg = DaemonConfig(cache=cache, node="n0", workers=1, t1_dir="none", ownership="all")
-    store = parse_cache_url(cache).tiers[-1].open()
+    store = open_store(parse_cache_url(cache).tiers[-1])
     state = DatasetState(DatasetSpec(photos, short_side=48))
     try:
         rep = ingest_pass(cfg, state, store, decoder=DaliDecoder(device="cpu"), stop=threading.Event(),

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from client.augment import AugmentCollate
 from client.dataset import CachedImageNet
-from datacache import synth
+from datacache.devtools import synth
 
 SHORT = 32
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

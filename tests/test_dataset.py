@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from client.dataset import CachedImageNet, DatasetError
-from datacache import synth
 from datacache.cacheurl import OptionSpec, SchemeSpec, register_scheme
 from datacache.config import ConfigError
+from datacache.devtools import synth
 from datacache.readthrough import manifest_dir_for
 from datacache.stores import MemoryStore
 

@@ -214,7 +214,7 @@ def test_simplejpeg_pixels_equal_pillows(small_imagefolder: str) -> None:
     DCT-scaled path is checked at Pillow's draft scales in tests/test_decode_corpus.py."""
     import simplejpeg
 
-    from datacache.synth import real_photo_files
+    from datacache.devtools.synth import real_photo_files
 
     files = [os.path.join(small_imagefolder, f"c00{c}/0000{i}.JPEG") for c in range(3) for i in range(2)]
     files += [p for p in real_photo_files() if p.lower().endswith((".jpg", ".jpeg"))]

@@ -2,7 +2,7 @@
 
 * two real ``datacache demo`` processes started at once on one fresh dataset/cache dir both succeed
   (the generated dataset is published by rename; the own LMDB cache is cleared only under a lock);
-* :func:`datacache.synth.publish_dir`: a lost race keeps the winner's tree, a failed build leaves
+* :func:`datacache.devtools.synth.publish_dir`: a lost race keeps the winner's tree, a failed build leaves
   nothing behind, and only the process's own temp directory is ever removed;
 * a pre-warmed cache (kept LMDB cache) is reported as such, with no cold/warm speed-up.
 """
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from datacache import synth
 from datacache.demo import DemoConfig, run_demo
+from datacache.devtools import synth
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--images", "120", "--classes", "4", "--gen-size", "320", "240", "--epochs", "2", "--workers", "0",

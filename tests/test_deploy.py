@@ -1,10 +1,14 @@
 """deploy/: what can be validated here is validated for real.
 
 * the systemd unit with ``systemd-analyze verify`` (skipped only when systemd-analyze is missing);
-* ``redis.conf`` by starting three real ``redis-server`` processes with it, creating the cluster with
-  its admin user, and running the datacache store with its restricted ACL user;
-* ``daemon.toml`` and the compose file's daemon environment through the daemon's own config loader;
-* the compose file's structure (YAML; the docker engine is not available here) and the Dockerfile;
+* ``redis.conf`` as the compose file uses it: filled by the documented ``make_secrets`` command, three
+  real ``redis-server`` processes started with the compose command, its health check, its cluster-create
+  step (as admin, password from the secret file) and the daemons' role (tests/test_redis_conf.py runs
+  every role's real code path);
+* ``daemon.toml`` and the compose file's daemon environment through the daemon's own config loader, with
+  the secret files the documented command makes (and the template refusing to start without them);
+* the compose file's structure (YAML; the docker engine is not available here): no password literal,
+  Docker secrets, health checks, and the Dockerfile;
 * ``deploy/local-cluster.sh`` end to end (cluster, 3 daemons filling, down).
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +27,7 @@ import pytest
 import yaml
 
 from cache_daemon.daemon_config import load_config
-from datacache.redis_local import RedisServer, free_port, free_ports
+from datacache.devtools.redis_local import RedisServer, free_port, free_ports
 from tests.redis_utils import needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,15 +48,116 @@ def test_systemd_unit_verifies(tmp_path) -> None:
     assert out.returncode == 0 and out.stderr.strip() == "", out.stderr
 
 
-def test_daemon_toml_template_loads() -> None:
-    cfg = load_config(os.path.join(DEPLOY, "daemon.toml"), env={})
+def _make_secrets(out_dir, *extra: str) -> subprocess.CompletedProcess:
+    """The documented command: ``python -m datacache.make_secrets DIR [--redis-conf TEMPLATE]``."""
+    return subprocess.run([sys.executable, "-m", "datacache.make_secrets", str(out_dir), *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def test_daemon_toml_template_refuses_to_start_until_its_password_file_exists(tmp_path) -> None:
+    from datacache.config import ConfigError
+
+    template = os.path.join(DEPLOY, "daemon.toml")
+    with open(template) as f:
+        text = f.read()
+    assert not [ln for ln in text.splitlines() if "CHANGE_ME" in ln.split("#", 1)[0]]  # no placeholder value
+    assert not re.search(r"redis(\+cluster)?://[^@\s\"]*:[^@\s\"]*@", text)  # no user:password@ anywhere
+    with pytest.raises(ConfigError, match=r"key 'cache'.*/etc/datacache/secrets/datacache-daemon\.pass"
+                                          r".*make_secrets"):
+        load_config(template, env={})  # the file is not there: refused, naming it and how to make it
+    assert _make_secrets(tmp_path / "s").returncode == 0
+    local = tmp_path / "daemon.toml"
+    local.write_text(text.replace("/etc/datacache/secrets", str(tmp_path / "s")))
+    cfg = load_config(str(local), env={})
     assert cfg.ownership == "cluster" and cfg.redis_node == "10.0.0.1:7000" and cfg.http_host == "127.0.0.1"
-    assert cfg.datasets[0].short_side == 160
+    assert cfg.datasets[0].short_side == 160 and cfg.cache.startswith("redis+cluster://datacache-daemon@")
 
 
-def test_compose_file_structure_and_daemon_env() -> None:
-    with open(os.path.join(DEPLOY, "docker", "compose.yaml")) as f:
+COMPOSE = os.path.join(DEPLOY, "docker", "compose.yaml")
+MAKE_SECRETS_CMD = ("python -m datacache.make_secrets deploy/docker/secrets --redis-conf "
+                    "deploy/redis/redis.conf")
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's variable interpolation for what the file uses: ${VAR:-default}, ${VAR:?error}, $$."""
+    def sub(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"{name}: {arg}")
+        return arg
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", sub, value).replace("$$", "$")
+
+
+def _compose(tmp_path) -> tuple[dict, dict[str, str]]:
+    """The compose file and its secrets as the documented command makes them (in a temp copy of
+    deploy/docker/secrets): secret name -> host file."""
+    with open(COMPOSE) as f:
         doc = yaml.safe_load(f)
+    out = _make_secrets(tmp_path / "secrets", "--redis-conf", os.path.join(DEPLOY, "redis", "redis.conf"))
+    assert out.returncode == 0, out.stderr
+    files = {}
+    for name, spec in doc["secrets"].items():
+        rel = spec["file"]
+        assert rel.startswith("./secrets/"), rel  # relative to deploy/docker: the documented directory
+        files[name] = str(tmp_path / "secrets" / rel[len("./secrets/"):])
+        assert os.path.exists(files[name]), f"the documented command does not make {rel}"
+    return doc, files
+
+
+def test_compose_file_has_no_password_and_uses_docker_secrets(tmp_path) -> None:
+    with open(COMPOSE) as f:
+        text = f.read()
+    assert MAKE_SECRETS_CMD in text  # documented before `docker compose up`
+    assert text.index(MAKE_SECRETS_CMD) < text.index("docker compose -f deploy/docker/compose.yaml up")
+    assert "CHANGE_ME" not in text and "--pass" not in text and "requirepass" not in text
+    assert not re.search(r"redis(\+cluster)?://[^@\s\"]*:[^@\s\"]*@", text)  # no user:password@
+    doc, files = _compose(tmp_path)
+    svc = doc["services"]
+    for name, s in svc.items():
+        # everything runs as the owner of the secret files (compose bind-mounts them with host modes)
+        with pytest.raises(KeyError, match="DATACACHE_UID"):
+            _interpolate(s["user"], {})
+        assert _interpolate(s["user"], {"DATACACHE_UID": "1000", "DATACACHE_GID": "1000"}) == "1000:1000"
+        assert name == "cluster-create" or s.get("tmpfs"), name  # a writable dir for that uid
+        for secret in s.get("secrets", []):
+            assert secret in doc["secrets"], (name, secret)
+    assert {stat_mode(p) for p in files.values()} == {0o600}
+    # the redis servers read the filled config; nothing else of theirs holds a credential
+    for n in ("redis-1", "redis-2", "redis-3"):
+        assert svc[n]["secrets"] == ["redis_conf"] and "/run/secrets/redis_conf" in svc[n]["command"]
+        assert "environment" not in svc[n]
+    assert svc["cluster-create"]["secrets"] == ["admin_pass"]
+    assert "REDISCLI_AUTH" in " ".join(svc["cluster-create"]["entrypoint"])  # never an argument
+    for n in ("daemon-1", "daemon-2", "daemon-3"):
+        d = svc[n]
+        assert d["secrets"] == ["datacache_daemon_pass"]
+        assert "/livez" in " ".join(d["healthcheck"]["test"])  # the daemon's own loop alive
+        cache = d["environment"]["DATACACHE_DAEMON_CACHE"]
+        assert cache.startswith("redis+cluster://datacache-daemon@")  # the daemons' role, not trainers'
+        assert cache.endswith("?password_file=/run/secrets/datacache_daemon_pass")
+
+
+def test_generated_compose_secrets_are_git_ignored() -> None:
+    for name in ("admin.pass", "datacache-daemon.pass", "datacache.pass", "users.acl", "redis.conf"):
+        path = os.path.join("deploy", "docker", "secrets", name)
+        out = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, timeout=30)
+        assert out.returncode == 0, f"{path} would be committable"
+    keep = "deploy/docker/secrets/.gitignore"
+    out = subprocess.run(["git", "check-ignore", "-q", keep], cwd=REPO, timeout=30)
+    assert out.returncode == 1  # the ignore file itself is kept
+
+
+def stat_mode(path: str) -> int:
+    import stat
+
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_compose_file_structure_and_daemon_env(tmp_path) -> None:
+    doc, files = _compose(tmp_path)
     svc = doc["services"]
     redis = [n for n in svc if n.startswith("redis-")]
     daemons = [n for n in svc if n.startswith("daemon-")]
@@ -67,9 +173,13 @@ def test_compose_file_structure_and_daemon_env() -> None:
         d = svc[n]
         assert d["depends_on"]["cluster-create"]["condition"] == "service_completed_successfully"
         assert d["build"]["dockerfile"] == "deploy/docker/Dockerfile"
-        env = {k: str(v) for k, v in d["environment"].items()}
-        cfg = load_config(None, env=env)  # the daemon accepts exactly this environment
-        assert cfg.ownership == "cluster" and cfg.redis_node in addrs
+        # the daemon accepts exactly this environment, compose-interpolated, with its secret where
+        # compose mounts it (/run/secrets/<name>: here the file the documented command made)
+        env = {k: _interpolate(str(v), {}) for k, v in d["environment"].items() if k.startswith("DATACACHE_")}
+        for name, path in files.items():
+            env = {k: v.replace(f"/run/secrets/{name}", path) for k, v in env.items()}
+        cfg = load_config(None, env=env)
+        assert cfg.ownership == "cluster" and cfg.redis_node in addrs and cfg.api_token == ""
         nodes.add(cfg.redis_node)
         assert all(p.startswith("127.0.0.1:") for p in d["ports"])  # HTTP stays on the host's loopback
     assert nodes == addrs  # one daemon per master
@@ -86,48 +196,74 @@ def test_dockerfile_runs_the_daemon_unprivileged() -> None:
 
 
 @needs_redis
-def test_redis_conf_runs_a_cluster_for_the_acl_user(tmp_path) -> None:
+def test_compose_redis_healthcheck_cluster_create_and_daemon_role_for_real(tmp_path) -> None:
+    """The compose file's own commands, run here: redis-server with the filled config, the health check
+    (up without a credential), the cluster-create step (admin, password from its secret file) and the
+    daemons' role from its secret file. Only what docker provides is substituted: addresses, the
+    /run/secrets mount, the tmpfs dir."""
     from datacache.stores import open_store
 
-    conf = os.path.join(DEPLOY, "redis", "redis.conf")
+    doc, files = _compose(tmp_path)
+    svc = doc["services"]
+    mounts = {f"/run/secrets/{name}": path for name, path in files.items()}
+
+    def local(args: list[str], addr_map: dict[str, str]) -> list[str]:
+        out = []
+        for a in args:
+            a = _interpolate(a, {})
+            for old, new in {**mounts, **addr_map}.items():
+                a = a.replace(old, new)
+            out.append(a)
+        return out
+
     masters = []
     try:
-        for _ in range(3):
+        addr_map = {}
+        for n in ("redis-1", "redis-2", "redis-3"):
             port = free_port()
-            d = tmp_path / f"n{port}"
-            args = [conf, "--port", str(port), "--bind", "127.0.0.1", "--maxmemory", "64mb",
-                    "--cluster-config-file", f"nodes-{port}.conf"]
-            srv = RedisServer(port, str(d), args)
-            masters.append(srv.start())
-        admin_auth = ["--user", "admin", "--pass", "CHANGE_ME_ADMIN", "--no-auth-warning"]
-        out = subprocess.run(["redis-cli", *admin_auth, "--cluster", "create", *[m.addr for m in masters],
-                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+            addr_map[f"{svc[n]['networks']['cache']['ipv4_address']}:7000"] = f"127.0.0.1:{port}"
+            argv = local(svc[n]["command"], {"/data": str(tmp_path / n)})
+            assert argv[0] == "redis-server"
+            os.makedirs(tmp_path / n)
+            masters.append(RedisServer(port, str(tmp_path / n), [*argv[1:], "--port", str(port), "--bind",
+                                                                  "127.0.0.1"]).start())
+            check = svc[n]["healthcheck"]["test"]
+            assert check[0] == "CMD-SHELL"
+            hc = subprocess.run(["sh", "-c", check[1].replace("-p 7000", f"-p {port}")], timeout=30)
+            assert hc.returncode == 0  # healthy: it answers (NOAUTH), no credential needed
+        create = svc["cluster-create"]
+        argv = local([*create["entrypoint"], *create["command"]], addr_map)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=90)
         assert "[OK] All 16384 slots covered" in out.stdout, out.stdout + out.stderr
-
-        def admin(port: int, *args: str) -> str:
-            return subprocess.run(["redis-cli", "-p", str(port), *admin_auth, *args], capture_output=True,
-                                  text=True).stdout
-
-        p = masters[0].port
-        assert "noeviction" in admin(p, "config", "get", "maxmemory-policy")
-        assert admin(p, "config", "get", "appendonly").split()[-1] == "no"
-        assert admin(p, "config", "get", "save").strip().endswith("save")  # save "" = no snapshots
-        assert admin(p, "config", "get", "protected-mode").split()[-1] == "yes"
-        deadline = time.monotonic() + 20  # every master agrees the cluster is up (not only the first)
-        while (not all("cluster_state:ok" in admin(m.port, "cluster", "info") for m in masters)
-               and time.monotonic() < deadline):
+        with open(files["admin_pass"]) as f:
+            admin = f.read().strip()
+        assert admin not in " ".join(argv)  # the password was never an argument
+        deadline = time.monotonic() + 20
+        env = {**os.environ, "REDISCLI_AUTH": admin}
+        while time.monotonic() < deadline and not all(
+                "cluster_state:ok" in subprocess.run(["redis-cli", "-p", str(m.port), "--user", "admin",
+                                                      "--no-auth-warning", "cluster", "info"],
+                                                     capture_output=True, text=True, env=env).stdout
+                for m in masters):
             time.sleep(0.1)
-        url = "redis+cluster://datacache:CHANGE_ME@" + ",".join(m.addr for m in masters)
+        # the daemons' URL, as daemon-1's environment gives it, works for the daemons' keys
+        url = local([svc["daemon-1"]["environment"]["DATACACHE_DAEMON_CACHE"]], addr_map)[0]
         s = open_store(url)
-        items = [(b"dc:f:v:%d" % i, b"x" * 5000) for i in range(60)]
-        assert s.put_many(items) == 60 and s.get_many([k for k, _ in items]) == [v for _, v in items]
-        assert s.health()["ok"] and s.stats()["entries"] == 60
-        s.status_set(b"dcd:fill:f:v", "n1", b"r")
-        assert s.status_get(b"dcd:fill:f:v") == {b"n1": b"r"}
-        assert s.put_many([(b"other:key", b"x")]) == 0 and s.counters()["write_errors"] == 1  # NOPERM
-        noperm = subprocess.run(["redis-cli", "-p", str(p), "--user", "datacache", "--pass", "CHANGE_ME",
-                                 "--no-auth-warning", "flushall"], capture_output=True, text=True).stdout
-        assert "NOPERM" in noperm
+        try:
+            items = [(b"dc:f:v:%d" % i, b"x" * 5000) for i in range(60)]
+            assert s.put_many(items) == 60 and s.get_many([k for k, _ in items]) == [v for _, v in items]
+            assert s.health()["ok"] and s.stats()["entries"] == 60
+            s.status_set(b"dcd:fill:f:v", "n1", b"r")
+            assert s.status_get(b"dcd:fill:f:v") == {b"n1": b"r"}
+            assert s.put_many([(b"other:key", b"x")]) == 0 and s.counters()["write_errors"] == 1  # NOPERM
+        finally:
+            s.close()
+        p = masters[0].port
+        admin_cli = ["redis-cli", "-p", str(p), "--user", "admin", "--no-auth-warning"]
+        assert "noeviction" in subprocess.run([*admin_cli, "config", "get", "maxmemory-policy"],
+                                              capture_output=True, text=True, env=env).stdout
+        assert "2147483648" in subprocess.run([*admin_cli, "config", "get", "maxmemory"], capture_output=True,
+                                              text=True, env=env).stdout  # the compose command's 2gb
     finally:
         for m in masters:
             m.stop()

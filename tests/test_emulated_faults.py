@@ -63,7 +63,7 @@ def _url(c: EmuCluster) -> str:
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmuCluster]:
-    from datacache.synth import make_imagefolder
+    from datacache.devtools.synth import make_imagefolder
 
     base = tmp_path_factory.mktemp("emufaults")
     root = str(base / "data")
@@ -223,9 +223,10 @@ def test_a_master_killed_mid_epoch_reads_fall_back_then_refill(emu: EmuCluster, 
     stats = epochs[0]["stats"]
     assert stats["misses"] > 0, stats  # node 2's samples (after the kill) were misses, decoded again
     assert took < 150
-    # back: the master rejoins with its slots, empty; the next epoch refills its share through read-through
+    # back: the master rejoins with its slots, empty (no persistence); its share is refilled by its daemon
+    # (a pass every poll_interval: the daemon stays live and keeps passing while its master is down) and by
+    # the next epoch's read-through, whichever comes first -- so no "still empty" check here: it would race
     c.restart_master(node)
-    assert _keys(c, node, fp) == 0
     r2 = Reader(c, 0, str(tmp_path))
     epochs = r2.finish(timeout=120)
     _assert_all_correct(epochs, IMAGES)

@@ -77,7 +77,7 @@ def test_dev_only_tooling_stays_out_of_the_production_import_path() -> None:
 import sys
 import datacache, datacache.cli, client.dataset, client.crop, client.augment
 import cache_daemon.service, cache_daemon.http, cache_daemon.__main__, trainer.run, trainer.cli
-dev = ("datacache.slowfs", "datacache.synth", "datacache.redis_local", "bench")
+dev = ("datacache.devtools.slowfs", "datacache.devtools.synth", "datacache.devtools.redis_local", "bench")
 print(",".join(m for m in dev if m in sys.modules))
 import fsspec
 fs = fsspec.filesystem("slowfile", latency_ms=0)
@@ -87,7 +87,7 @@ print(type(fs).__module__)
     assert out.returncode == 0, out.stderr[-2000:]
     imported, module = out.stdout.splitlines()
     assert imported == "", f"dev-only modules imported by production code: {imported}"
-    assert module == "datacache.slowfs"
+    assert module == "datacache.devtools.slowfs"
 
 
 def test_stdlib_only_modules_run_on_a_bare_python3() -> None:
@@ -96,7 +96,7 @@ def test_stdlib_only_modules_run_on_a_bare_python3() -> None:
     import subprocess
     import sys
 
-    code = "import datacache.redis_local, datacache.local_status; print('ok')"
+    code = "import datacache.devtools.redis_local, datacache.devtools.local_status; print('ok')"
     boot = f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
     out = subprocess.run([sys.executable, "-S", "-c", boot + code], capture_output=True, text=True,
                          timeout=60)

@@ -1,5 +1,6 @@
-"""deploy/local-cluster.sh and ``python -m datacache.redis_local``: never touch a directory they did not
-create, clean only what they wrote, report dead daemons, restart what is missing, one-line status.
+"""deploy/local-cluster.sh and ``python -m datacache.devtools.redis_local``: never touch a directory they did
+not create, clean only what they wrote, report dead daemons, restart what is missing, one-line status; no
+password-less access (ACL roles with generated 0600 password files) and no password on a command line.
 
 Everything runs for real: redis-server processes, the cache daemons as subprocesses, the shell script.
 """
@@ -9,13 +10,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
 
 import pytest
 
-from datacache.redis_local import MARKER, free_ports
+from datacache.devtools.redis_local import MARKER, free_ports
+from datacache.redis_roles import ROLES
 from tests.redis_utils import needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,8 +26,31 @@ SCRIPT = os.path.join(REPO, "deploy", "local-cluster.sh")
 
 
 def _redis_local(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "datacache.redis_local", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+    return subprocess.run([sys.executable, "-m", "datacache.devtools.redis_local", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": REPO})
+
+
+def _admin_cli(d, port: int, *args: str) -> str:
+    """redis-cli as the local cluster's admin (password from its file, through REDISCLI_AUTH)."""
+    pw = (d / "secrets" / "admin.pass").read_text().strip()
+    out = subprocess.run(["redis-cli", "-p", str(port), "--user", "admin", "--no-auth-warning", *args],
+                         capture_output=True, text=True, timeout=10, env={**os.environ, "REDISCLI_AUTH": pw})
+    return out.stdout + out.stderr
+
+
+def _procs_showing(secrets: list[str]) -> list[int]:
+    """Pids whose command line holds one of ``secrets`` (never printed: only the pids are returned)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if any(s.encode() in cmd for s in secrets):
+            found.append(int(pid))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -75,6 +101,11 @@ def test_up_down_in_its_own_dir_removes_only_what_it_wrote(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     state = json.loads((d / "cluster.json").read_text())
     assert state["ports"] == [port, port + 1, port + 2] and (d / MARKER).exists()
+    # the masters run with the roles: nothing answers without a password, the admin's works
+    assert "NOAUTH" in subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True,
+                                      timeout=10).stdout
+    assert "cluster_state:ok" in _admin_cli(d, port, "cluster", "info")
+    assert sorted(os.listdir(d / "secrets")) == sorted(f"{r}.pass" for r in ROLES)
     # a re-run finds it alive: no second cluster, same url
     again = _redis_local("up", "--dir", str(d), "--base-port", str(port))
     assert again.returncode == 0 and again.stdout.strip() == state["url"]
@@ -109,9 +140,8 @@ def test_up_restarts_a_dead_master(tmp_path) -> None:
         assert f"restarted the redis-server on 127.0.0.1:{port + 1}" in out.stderr
         new = json.loads((d / "cluster.json").read_text())["pids"]
         assert new[0] == pids[0] and new[2] == pids[2] and new[1] != pids[1] and _alive(new[1])
-        info = subprocess.run(["redis-cli", "-p", str(port + 1), "cluster", "info"], capture_output=True,
-                              text=True, timeout=10).stdout
-        assert "cluster_state:ok" in info
+        # restarted with the same roles and passwords (from DIR/secrets)
+        assert "cluster_state:ok" in _admin_cli(d, port + 1, "cluster", "info")
     finally:
         _redis_local("down", "--dir", str(d))
 
@@ -153,6 +183,24 @@ def test_script_up_status_rerun_restart_down(tmp_path) -> None:
             assert "daemon" in ln and " ok " in ln and "100.0%" in ln, ln
         owned = [int(ln.split("cached ")[1].split("/")[1].split()[0]) for ln in lines]
         assert sum(owned) == 23  # 20 generated + 3 photos matplotlib ships, each owned by one node
+        # no password-less access; passwords in 0600 files in a 0700 directory, on no command line
+        # (masters: hashes only; redis-cli: REDISCLI_AUTH; daemons: ?password_file=) and in no log
+        sdir = lc / "secrets"
+        secrets = [(sdir / f"{r}.pass").read_text().strip() for r in ROLES]
+        assert stat.S_IMODE(sdir.stat().st_mode) == 0o700
+        assert all(stat.S_IMODE((sdir / f"{r}.pass").stat().st_mode) == 0o600 for r in ROLES)
+        assert all(len(s) >= 32 for s in secrets) and len(set(secrets)) == 3
+        assert "NOAUTH" in subprocess.run(["redis-cli", "-p", env["PORT"], "ping"], capture_output=True,
+                                          text=True, timeout=10).stdout
+        assert _procs_showing(secrets) == []
+        daemon_cmd = (f"/proc/{int((lc / 'daemon-0.pid').read_text())}/cmdline")
+        with open(daemon_cmd, "rb") as f:
+            assert b"datacache-daemon@127.0.0.1:" in f.read()  # the daemons' role, by its file
+        logs = b"".join((lc / f"daemon-{i}.log").read_bytes() for i in range(3)) + out.stderr.encode()
+        assert not any(s.encode() in logs for s in secrets)
+        assert "datacache@127.0.0.1:" in out.stderr and "password_file=" in out.stderr  # the trainers' URL
+        url = _redis_local("url", "--dir", str(lc), "--base-port", env["PORT"], "--role", "datacache")
+        assert url.returncode == 0 and f"up: {url.stdout.strip()};" in out.stderr  # printed again on demand
         full = json.loads(_run(env, "status", "--json", timeout=60).stdout)
         assert [d["node"] for d in full] == ["node-0", "node-1", "node-2"]
         assert sum(d["status"]["datasets"][0]["owned"] for d in full) == 23
@@ -228,7 +276,7 @@ def test_up_without_redis_server_says_what_to_install(tmp_path) -> None:
     empty_bin = tmp_path / "bin"
     empty_bin.mkdir()  # a PATH with no redis-server / redis-cli on it
     d = tmp_path / "lc"
-    out = subprocess.run([sys.executable, "-m", "datacache.redis_local", "up", "--dir", str(d),
+    out = subprocess.run([sys.executable, "-m", "datacache.devtools.redis_local", "up", "--dir", str(d),
                           "--base-port", str(free_ports(3))], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": REPO, "PATH": str(empty_bin)})
     assert out.returncode == 1 and "Traceback" not in out.stderr
@@ -273,3 +321,21 @@ def test_up_with_a_taken_port_is_one_line_and_down_cleans(tmp_path) -> None:
     assert again.returncode == 0 and again.stdout.startswith("redis+cluster://"), again.stderr
     assert _redis_local("down", "--dir", str(d)).returncode == 0
     assert not d.exists()
+
+
+@needs_redis
+def test_script_demo_runs_as_the_trainers_role_with_no_acl_denial(tmp_path) -> None:
+    env = _script_env(tmp_path)
+    lc = tmp_path / "lc"
+    try:
+        out = _run(env, "demo", "--epochs", "1", "--workers", "1", "--no-progress", timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "epoch 1:" in out.stdout and "datacache@127.0.0.1:" in out.stdout  # the trainers' role
+        secrets = [(lc / "secrets" / f"{r}.pass").read_text().strip() for r in ROLES]
+        assert not any(s in out.stdout + out.stderr for s in secrets)
+        # the daemons (datacache-daemon) and the demo (datacache) sent nothing their role refuses
+        for i in range(3):
+            assert _admin_cli(lc, int(env["PORT"]) + i, "acl", "log").strip() == ""
+    finally:
+        down = _run(env, "down", timeout=120)
+    assert down.returncode == 0 and not lc.exists()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from datacache import slowfs
+from datacache.devtools import slowfs
 from datacache.manifest import IMG_EXTENSIONS, Manifest, ManifestError
 from datacache.source import Source
 
@@ -180,7 +180,7 @@ def test_revalidation_is_cheaper_than_a_walk_on_slow_fs(imagefolder_factory, tmp
 
 
 def test_synth_is_deterministic_realistic_and_ships_real_photos(tmp_path) -> None:
-    from datacache.synth import make_imagefolder, real_photo_files
+    from datacache.devtools.synth import make_imagefolder, real_photo_files
 
     a = make_imagefolder(str(tmp_path / "a"), classes=2, per_class=2, seed=3)
     b = make_imagefolder(str(tmp_path / "b"), classes=2, per_class=2, seed=3)
@@ -341,3 +341,116 @@ def test_saved_file_is_plain_msgpack_with_the_same_fields(imagefolder_factory, t
     with open(path, "rb") as f:
         d = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)  # an independent reader
     assert d == m.to_dict()
+
+
+# ------------------------------------------------------------------ file-list rules (issue 22)
+_ESCAPES = {  # entry -> what the error says (it never quotes the entry: "zz_mark" must not appear)
+    "/abs/zz_mark.JPEG": "absolute",
+    "C:zz_mark.JPEG": "absolute",
+    "C:\\zz_mark.JPEG": "backslash",
+    "c000\\zz_mark.JPEG": "backslash",
+    "s3://bucket/zz_mark.JPEG": "URL",
+    "simplecache::zz_mark.JPEG": "URL",
+    "../zz_mark.JPEG": "'..'",
+    "c000/../../zz_mark.JPEG": "'..'",
+    "c000/..": "'..'",
+    "c000/zz_mark\x00.JPEG": "NUL",
+}
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_file_list_entries_that_escape_are_refused_with_their_line(imagefolder_factory, tmp_path,
+                                                                  newline: str) -> None:
+    """Absolute, URL, climbing, NUL and backslash entries: a ManifestError naming the list's line (as an
+    editor counts it: the header and comments and blank lines count), for Manifest.build and
+    CachedImageNet alike; a name merely containing '..' is fine."""
+    from client.dataset import CachedImageNet
+
+    root = imagefolder_factory(classes=1, per_class=2, size=(16, 12))
+    shutil.copyfile(os.path.join(root, "c000", "00000.JPEG"), os.path.join(root, "c000", "a..b.JPEG"))
+    lst = os.path.join(root, "train.csv")
+    head = ["path,label", "# comment", "c000/a..b.JPEG,0", ""]
+    for entry, why in _ESCAPES.items():
+        with open(lst, "w", newline="") as f:
+            f.write(newline.join([*head, f"{entry},0", "c000/00001.JPEG,0"]) + newline)
+        with pytest.raises(ManifestError) as ei:
+            Manifest.build(lst)
+        msg = str(ei.value)
+        assert "line 5:" in msg and why in msg and "zz_mark" not in msg, (entry, msg)
+        with pytest.raises(ManifestError, match="line 5:"):
+            CachedImageNet(lst, f"lmdb://{tmp_path}/lmdb", short_side=16, t1_dir=None)
+    with open(lst, "w", newline="") as f:
+        f.write(newline.join([*head, "c000/00001.JPEG,0"]))
+    assert list(Manifest.build(lst).paths) == ["c000/a..b.JPEG", "c000/00001.JPEG"]
+
+
+def test_a_missing_listed_file_is_logged_by_its_line_not_its_name(imagefolder_factory, caplog) -> None:
+    root = imagefolder_factory(classes=1, per_class=2, size=(16, 12))
+    lst = os.path.join(root, "l.txt")
+    with open(lst, "w") as f:
+        f.write("c000/00000.JPEG\nc000/zz_gone.JPEG\n")
+    with caplog.at_level("WARNING", logger="datacache.manifest"):
+        m = Manifest.build(lst)
+    assert m.ignored == {"missing": 1} and "line 2" in caplog.text and "zz_gone" not in caplog.text
+
+
+def test_numeric_labels_are_bounded_and_a_huge_one_costs_no_memory(imagefolder_factory) -> None:
+    """A label is a class index: it must be < max(rows, 65536), else a ManifestError naming the line and the
+    bound. Reproduced: label 20,000,000 made range(20M) class names (3 GB); now refused with a flat peak."""
+    import tracemalloc
+
+    root = imagefolder_factory(classes=1, per_class=2, size=(16, 12))
+    lst = os.path.join(root, "l.csv")
+
+    def listing(labels: tuple[str, str]) -> Manifest:
+        with open(lst, "w") as f:
+            f.write(f"path,label\nc000/00000.JPEG,{labels[0]}\nc000/00001.JPEG,{labels[1]}\n")
+        return Manifest.build(lst)
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError, match=r"line 3: numeric label too large.*= 65536") as ei:
+            listing(("0", "20000000"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the 20M class names alone would be ~1.3 GB
+    assert "20000000" not in str(ei.value)
+    with pytest.raises(ManifestError, match="line 2: numeric label too large"):
+        listing(("65536", "1"))
+    with pytest.raises(ManifestError, match="line 3: numeric label too large"):
+        listing(("0", "9" * 5000))  # past Python's int-conversion limit: still a clean error
+    with pytest.raises(ManifestError, match="line 3: negative label"):
+        listing(("1", "-2"))
+    m = listing(("65535", "0"))  # just under the bound: a big label space's small subset still works
+    assert len(m.classes) == 65536 and list(m.targets) == [65535, 0]
+    assert listing(("ant", "20000000")).classes == ["20000000", "ant"]  # not all numeric: names
+
+
+def test_the_label_bound_grows_with_the_rows() -> None:
+    from datacache.filelist import LabelCheck, iter_list_rows
+
+    for top, ok in ((69_999, True), (70_000, False)):
+        check = LabelCheck()
+        lines = [f"d/{i}.JPEG,{i}" for i in range(69_999)] + [f"d/x.JPEG,{top}"]
+        assert sum(1 for _ in iter_list_rows(lines, "l.txt", check)) == 70_000
+        if ok:
+            check.check("l.txt")
+        else:
+            with pytest.raises(ManifestError, match=r"line 70000: .* = 70000"):
+                check.check("l.txt")
+
+
+def test_a_streamed_list_counts_lines_like_the_listing(imagefolder_factory) -> None:
+    """validate_file_list (the daemon's registration check) reads 1 MiB chunks: a "\\r\\n" split across
+    two chunks is one line break, so it names the same line as the listing does."""
+    from datacache.manifest import validate_file_list
+
+    root = imagefolder_factory(classes=1, per_class=1, size=(16, 12))
+    lst = os.path.join(root, "l.txt")
+    with open(lst, "wb") as f:
+        f.write(b"#" + b"x" * ((1 << 20) - 2) + b"\r\n")  # "\r" ends the first chunk, "\n" starts the next
+        f.write(b"c000/00000.JPEG,0\r\n../c000/00000.JPEG,0\r\n")
+    for check in (validate_file_list, Manifest.build):
+        with pytest.raises(ManifestError, match="line 3: the entry climbs"):
+            check(lst)

@@ -23,6 +23,7 @@ from datacache.cacheurl import parse_cache_url
 from datacache.config import DECODER_FAMILY_CHOICES, ConfigError, Variant
 from datacache.manifest import Manifest
 from datacache.readthrough import ReadThrough
+from datacache.stores import open_store
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "pillow")
 V = Variant(short_side=64)
@@ -78,7 +79,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _records(root: str, lmdb_dir: str) -> dict[bytes, bytes]:
     reader = ReadThrough(Manifest.build(root), V, parse_cache_url("lmdb://" + lmdb_dir), t1_dir=None)
     keys = reader.keys(range(len(reader.manifest)))
-    store = parse_cache_url("lmdb://" + lmdb_dir).tiers[-1].open()
+    store = open_store(parse_cache_url("lmdb://" + lmdb_dir).tiers[-1])
     vals = store.get_many(keys)
     out = {k: bytes(v) for k, v in zip(keys, vals) if v is not None}
     store.close()
@@ -146,7 +147,7 @@ def test_fill_refuses_a_decoder_of_another_family() -> None:
         family = "dali"
 
         def __call__(self, data: bytes, variant: Variant, *, name: str = "") -> np.ndarray:
-            return np.zeros((4, 4, 3), np.uint8)
+            return np.zeros((64, 85, 3), np.uint8)  # the 40x30 file at short side 64
 
     buf = io.BytesIO()
     _photo(40, 30, 1).save(buf, "PNG")

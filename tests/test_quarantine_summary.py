@@ -8,6 +8,7 @@ import os
 import threading
 
 from datacache.quarantine_summary import MAX_EXAMPLES, MAX_KINDS, QuarantineSummary, reason_kind
+from datacache.stores import open_store
 
 SHORT = 16
 
@@ -65,7 +66,7 @@ def _pass_status(root: str, url: str, caplog) -> tuple[dict, int]:
     from datacache.cacheurl import parse_cache_url
 
     cfg = DaemonConfig(cache=url, node="n0", ownership="all", workers=1, t1_dir="none")
-    store = parse_cache_url(url).tiers[-1].open()
+    store = open_store(parse_cache_url(url).tiers[-1])
     state = DatasetState(DatasetSpec(root, short_side=SHORT))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="datacache.warm"):

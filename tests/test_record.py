@@ -111,3 +111,21 @@ def test_format_1_records_are_misses(pixels: np.ndarray) -> None:
                          "n": len(payload), "xxh3": x.intdigest()}, use_bin_type=True)
     old = len(hdr).to_bytes(4, "little") + hdr + payload
     assert FORMAT_VERSION == 3 and decode_record(old, K) is None
+
+
+def test_records_are_rgb_and_fit_their_variant(pixels: np.ndarray) -> None:
+    """Encoder and decoder agree that records are RGB; with a variant, the encoding and the geometry the
+    variant produces (short side 160, long side <= 320) are checked too."""
+    with pytest.raises(ValueError, match="RGB"):
+        encode_record(np.zeros((4, 4, 1), np.uint8), 0, key=K)
+    v = Variant(short_side=120)  # pixels are 120x160: the short side is 120
+    raw = encode_record(pixels, 3, v, key=K)
+    assert decode_record(raw, K, v) is not None and decode_record(raw, K) is not None
+    assert decode_record(raw, K, Variant(short_side=160)) is None          # another geometry
+    assert decode_record(raw, K, Variant(short_side=120, encoding="jpeg")) is None  # another encoding
+    assert decode_record(raw, K, Variant(short_side=100, max_long_side=160)) is None
+    capped = Variant(short_side=130, max_long_side=160)  # the cap binds: long side 160, short side <= 130
+    assert decode_record(raw, K, capped) is not None
+    jpg = encode_record(pixels, 3, Variant(short_side=120, encoding="jpeg"), key=K)
+    assert decode_record(jpg, K, Variant(short_side=120, encoding="jpeg")) is not None
+    assert decode_record(jpg, K, v) is None

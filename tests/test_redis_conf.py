@@ -1,86 +1,178 @@
-"""deploy/redis/redis.conf for real: three redis-server masters started with the file (port, bind and
-memory adapted to a temp dir), joined with its admin user; then, as its restricted ``datacache`` user,
-every path the stores, the fill reports and a real cache daemon use must work with no ACL denial at all
-(``ACL LOG`` stays empty on every master), and the commands that list key names or destroy data are
-refused with NOPERM. The output buffers for normal clients are bounded.
+"""deploy/redis/redis.conf for real: one Redis role per credential, no working default password.
+
+* The template as shipped does not start (its password hashes are placeholders redis-server refuses),
+  and its ACL rules are those of :mod:`datacache.redis_roles`.
+* Filled by ``python -m datacache.make_secrets`` (generated passwords), three real redis-server masters
+  start with it and form a cluster as ``admin``. Then, as each role, every path its real code sends
+  works with no ACL denial at all (``ACL LOG`` stays empty on every master): the store, fill reports,
+  the registry and a real cache daemon as ``datacache-daemon``; ``CachedImageNet`` (reads, write-back,
+  quarantine, ``wait_warm``) and ``datacache stats`` as ``datacache``.
+* The trainers' role cannot write the registry or fill reports (``ACL DRYRUN`` and for real), neither
+  role can list keys or destroy data, and the old default passwords open nothing.
+* The daemon caps what it READS from the registry (40 direct HSETs -> at most ``max_registrations``),
+  and a forged 18 MB fill report leaves ``/status`` small (a real daemon, real HTTP).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 
+import msgpack
 import pytest
 
-from datacache.redis_local import RedisServer, free_port, free_ports
+from datacache.devtools.redis_local import RedisServer, free_port, free_ports
+from datacache.make_secrets import ensure_passwords, password_file
+from datacache.redis_roles import ADMIN, DAEMON, RULES, TRAINER, acl_lines, fill_template, template_rules
 from tests.redis_utils import needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF = os.path.join(REPO, "deploy", "redis", "redis.conf")
-ADMIN = ["--user", "admin", "--pass", "CHANGE_ME_ADMIN", "--no-auth-warning"]
-USER = ["--user", "datacache", "--pass", "CHANGE_ME", "--no-auth-warning"]
 
 FORBIDDEN = [
     ["scan", "0"], ["keys", "*"], ["cluster", "getkeysinslot", "0", "10"], ["script", "flush"],
     ["eval", "return 1", "0"], ["flushall"], ["flushdb"], ["config", "get", "maxmemory"],
     ["debug", "sleep", "0"], ["del", "dc:x"], ["unlink", "dc:x"], ["monitor"], ["client", "list"],
-    ["client", "kill", "127.0.0.1:1"], ["acl", "list"], ["shutdown", "nosave"], ["cluster", "reset"],
-    ["cluster", "nodes"], ["randomkey"], ["object", "encoding", "dc:x"], ["save"], ["bgsave"],
+    ["client", "kill", "127.0.0.1:1"], ["acl", "list"], ["acl", "setuser", "evil", "on", ">x", "~*", "+@all"],
+    ["shutdown", "nosave"], ["cluster", "reset"], ["cluster", "nodes"], ["randomkey"],
+    ["object", "encoding", "dc:x"], ["save"], ["bgsave"], ["hkeys", "dcd:datasets"],
+]
+# what a trainer must not do to the daemons' keys (the registry, fill reports): their role may
+TRAINER_NO_WRITE = [
+    ["hset", "dcd:datasets", "/data|t160", "x"], ["hdel", "dcd:datasets", "/data|t160"],
+    ["hset", "dcd:fill:0123456789abcdef:t160", "n1", "x"], ["hdel", "dcd:fill:0123456789abcdef:t160", "n1"],
+    ["set", "dcd:datasets", "x"], ["set", "dcd:fill:x", "x"], ["hsetnx", "dcd:datasets", "f", "x"],
 ]
 
 
-def _cli(port: int, auth: list[str], *args: str) -> str:
+@dataclass
+class RoleCluster:
+    masters: list[RedisServer]
+    secrets: str  # the directory make_secrets wrote
+
+    def password(self, role: str) -> str:
+        with open(password_file(self.secrets, role)) as f:
+            return f.read().strip()
+
+    def url(self, role: str) -> str:
+        """The role's cache URL with its password read from its file (as deployments write it)."""
+        return (f"redis+cluster://{role}@" + ",".join(m.addr for m in self.masters)
+                + f"?password_file={password_file(self.secrets, role)}")
+
+
+def _cli(rc: RoleCluster | None, port: int, role: str | None, *args: str, password: str | None = None) -> str:
+    """redis-cli as ``role`` (password through REDISCLI_AUTH, never an argument); no role: no login."""
+    auth = ["--user", role, "--no-auth-warning"] if role else []
+    env = dict(os.environ)
+    if role:
+        env["REDISCLI_AUTH"] = password if password is not None else rc.password(role)  # type: ignore[union-attr]
     out = subprocess.run(["redis-cli", "-p", str(port), *auth, *args], capture_output=True, text=True,
-                         timeout=15)
+                         timeout=15, env=env)
     return out.stdout + out.stderr
 
 
-@pytest.fixture(scope="module")
-def conf_cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("conf")
+def _start_masters(conf: str, tmp, n: int = 3) -> list[RedisServer]:
     masters: list[RedisServer] = []
     try:
-        for _ in range(3):
+        for _ in range(n):
             port = free_port()
-            args = [CONF, "--port", str(port), "--bind", "127.0.0.1", "--maxmemory", "64mb",
+            args = [conf, "--port", str(port), "--bind", "127.0.0.1", "--maxmemory", "64mb",
                     "--cluster-config-file", f"nodes-{port}.conf"]
             masters.append(RedisServer(port, str(tmp / f"n{port}"), args).start())
-        out = subprocess.run(["redis-cli", *ADMIN, "--cluster", "create", *[m.addr for m in masters],
-                              "--cluster-yes"], capture_output=True, text=True, timeout=60)
+    except BaseException:
+        for m in masters:
+            m.stop()
+        raise
+    return masters
+
+
+@pytest.fixture(scope="module")
+def roles_cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("conf")
+    sec = ensure_passwords(str(tmp / "secrets"))
+    filled = tmp / "redis.conf"
+    with open(CONF) as f:
+        filled.write_text(fill_template(f.read(), sec.passwords))
+    masters = _start_masters(str(filled), tmp)
+    rc = RoleCluster(masters, sec.dir)
+    try:
+        out = subprocess.run(["redis-cli", "--user", ADMIN, "--no-auth-warning", "--cluster", "create",
+                              *[m.addr for m in masters], "--cluster-yes"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "REDISCLI_AUTH": rc.password(ADMIN)})
         assert "[OK] All 16384 slots covered" in out.stdout, out.stdout + out.stderr
         deadline = time.monotonic() + 30
-        while not all("cluster_state:ok" in _cli(m.port, ADMIN, "cluster", "info") for m in masters):
+        while not all("cluster_state:ok" in _cli(rc, m.port, ADMIN, "cluster", "info") for m in masters):
             assert time.monotonic() < deadline, "cluster did not reach cluster_state:ok"
             time.sleep(0.1)
-        for m in masters:
-            _cli(m.port, ADMIN, "acl", "log", "reset")
-        yield masters
+        yield rc
     finally:
         for m in masters:
             m.stop()
 
 
-def _acl_denials(masters: list[RedisServer]) -> dict[int, str]:
-    logs = {m.port: _cli(m.port, ADMIN, "acl", "log").strip() for m in masters}
+def _reset_acl_log(rc: RoleCluster) -> None:
+    for m in rc.masters:
+        _cli(rc, m.port, ADMIN, "acl", "log", "reset")
+
+
+def _acl_denials(rc: RoleCluster) -> dict[int, str]:
+    logs = {m.port: _cli(rc, m.port, ADMIN, "acl", "log").strip() for m in rc.masters}
     return {p: log for p, log in logs.items() if log}
 
 
+# ------------------------------------------------------------------------------ the template itself
 @needs_redis
-def test_output_buffers_for_normal_clients_are_bounded(conf_cluster) -> None:
-    limits = _cli(conf_cluster[0].port, ADMIN, "config", "get", "client-output-buffer-limit")
+def test_the_template_as_shipped_does_not_start(tmp_path) -> None:
+    port = free_port()
+    srv = RedisServer(port, str(tmp_path / "n"), [CONF, "--port", str(port), "--bind", "127.0.0.1"])
+    with pytest.raises(RuntimeError, match=r"exited at start(?s:.*)password hash must be exactly 64"):
+        srv.start()
+    with open(CONF) as f:
+        live = [ln for ln in f.read().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    # no password in the file at all: no ">password" rule, no requirepass/masterauth line
+    assert not any(tok.startswith(">") for ln in live for tok in ln.split())
+    assert not any(ln.split()[0] in ("requirepass", "masterauth") for ln in live)
+
+
+def test_template_rules_are_the_roles_of_redis_roles() -> None:
+    with open(CONF) as f:
+        text = f.read()
+    assert template_rules(text) == RULES  # the file and the code that fills it agree, role by role
+    assert "user default off" in text.splitlines()
+
+
+@needs_redis
+def test_output_buffers_for_normal_clients_are_bounded(roles_cluster) -> None:
+    limits = _cli(roles_cluster, roles_cluster.masters[0].port, ADMIN, "config", "get",
+                  "client-output-buffer-limit")
     assert "normal 268435456 67108864 60" in limits, limits
 
 
 @needs_redis
-def test_store_daemon_and_fill_paths_work_as_the_datacache_user(conf_cluster, tmp_path) -> None:
-    from datacache import synth
+def test_no_default_or_old_password_opens_anything(roles_cluster) -> None:
+    port = roles_cluster.masters[0].port
+    assert "NOAUTH" in _cli(None, port, None, "ping")  # the default user is off
+    for role, old in ((ADMIN, "CHANGE_ME_ADMIN"), (TRAINER, "CHANGE_ME"), (DAEMON, "CHANGE_ME"),
+                      ("default", "x")):
+        assert "WRONGPASS" in _cli(roles_cluster, port, role, "ping", password=old), role
+    assert "PONG" in _cli(roles_cluster, port, TRAINER, "ping")  # the generated one works
+
+
+# ------------------------------------------------------------------------------ each role's real paths
+@needs_redis
+def test_daemon_role_store_fill_registry_and_a_real_daemon_work(roles_cluster, tmp_path) -> None:
+    from datacache.devtools import synth
     from datacache.fillstatus import read_fill, report_fill, summarize
     from datacache.stores import open_store
 
-    masters = conf_cluster
-    url = "redis+cluster://datacache:CHANGE_ME@" + ",".join(m.addr for m in masters)
+    rc = roles_cluster
+    _reset_acl_log(rc)
+    url = rc.url(DAEMON)
     s = open_store(url)
     try:
         # 40 x 100 KB: get_many's replies span several fetch_bytes (2 MiB) round trips per master
@@ -104,25 +196,25 @@ def test_store_daemon_and_fill_paths_work_as_the_datacache_user(conf_cluster, tm
         assert s.counters()["write_errors"] == 0 and s.counters()["read_errors"] == 0
     finally:
         s.close()
-    # a real cache daemon as the datacache user fills its node's share of a small dataset and exits
+    # a real cache daemon as datacache-daemon fills its node's share of a small dataset and exits
     src = str(tmp_path / "ds")
     synth.make_imagefolder(src, classes=2, per_class=6, size=(120, 90))
     http = free_ports(1)
     out = subprocess.run(
-        [sys.executable, "-m", "cache_daemon", "--cache", url, "--redis-node", masters[0].addr,
+        [sys.executable, "-m", "cache_daemon", "--cache", url, "--redis-node", rc.masters[0].addr,
          "--node", "n0", "--dataset", src, "--http-port", str(http), "--workers", "1", "--once",
          "--no-progress", "--poll-interval", "1"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "NOPERM" not in out.stderr
-    # the idle pass's presence stamp (INFO sections, COUNTKEYSINSLOT) works as that user: a second pass
+    assert "NOPERM" not in out.stderr and rc.password(DAEMON) not in out.stderr + out.stdout
+    # the idle pass's presence stamp (INFO sections, COUNTKEYSINSLOT) works as that role: a second pass
     # over the full share skips the per-key check
     import threading
 
     from cache_daemon.daemon_config import DaemonConfig
     from cache_daemon.ingest import DatasetState, ingest_pass
 
-    cfg = DaemonConfig(cache=url, node="n0", redis_node=masters[0].addr, workers=1, t1_dir="none")
+    cfg = DaemonConfig(cache=url, node="n0", redis_node=rc.masters[0].addr, workers=1, t1_dir="none")
     state, s = DatasetState(DatasetSpec(source=src)), open_store(url)
     try:
         for _ in range(2):
@@ -131,24 +223,305 @@ def test_store_daemon_and_fill_paths_work_as_the_datacache_user(conf_cluster, tm
         s.close()
     assert state.status == "full" and state.shortcut_passes == 1, state
     # nothing any of that sent was refused by the ACL on any master
-    assert _acl_denials(masters) == {}
+    assert _acl_denials(rc) == {}
 
 
 @needs_redis
+def test_trainer_role_reads_writes_back_quarantines_and_waits_warm(roles_cluster, tmp_path) -> None:
+    from client.dataset import CachedImageNet
+    from datacache.devtools import synth
+    from datacache.fillstatus import report_fill
+    from datacache.stores import open_store
+
+    rc = roles_cluster
+    _reset_acl_log(rc)
+    src = str(tmp_path / "ds")
+    synth.make_imagefolder(src, classes=2, per_class=5, size=(96, 80), seed=3)
+    (tmp_path / "ds" / "c000" / "bad.JPEG").write_bytes(b"not a jpeg at all")  # quarantined (dcq:)
+    url = rc.url(TRAINER)
+    ds = CachedImageNet(src, url, short_side=32, t1_dir=None)  # PING / CLUSTER SLOTS at construction
+    n = len(ds)
+    assert len(ds.__getitems__(list(range(n)))) == n  # misses: decoded, written back (SET NX on dc:*)
+    assert ds.flush(timeout=30) and ds.quarantined  # the bad file: remembered under dcq:*
+    st = ds.stats()
+    assert st["decoded"] >= n - 1 and ds.store.counters()["write_errors"] == 0, st
+    again = CachedImageNet(src, url, short_side=32, t1_dir=None)
+    again.__getitems__(list(range(n)))
+    st = again.stats()
+    assert st["hits"] >= n - 1 and st["decoded"] == 0, st  # GET pipelines; the bad file known (dcq:*)
+    # wait_warm as the trainer: HGETALL of the daemons' reports, then EXISTS of sampled keys
+    daemon = open_store(rc.url(DAEMON))
+    try:
+        report_fill(daemon, ds.manifest.fingerprint, ds.variant.tag(), "n0", owned=n, done=n, quarantined=1,
+                    total=n, rate=1.0)
+    finally:
+        daemon.close()
+    summary = again.wait_warm(timeout=30, poll=0.1)
+    assert summary["full"] and summary["verified"]["missing"] == 0
+    out = subprocess.run([sys.executable, "-m", "datacache.cli", "stats", "--cache", url],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert rc.password(TRAINER) not in out.stdout + out.stderr
+    assert _acl_denials(rc) == {}
+
+
+@needs_redis
+def test_trainer_role_cannot_write_the_registry_or_fill_reports(roles_cluster, tmp_path) -> None:
+    from cache_daemon.daemon_config import DatasetSpec
+    from cache_daemon.registry import REGISTRY_KEY, register
+    from datacache.fillstatus import report_fill
+    from datacache.stores import open_store
+
+    rc = roles_cluster
+    port = rc.masters[0].port
+    for cmd in TRAINER_NO_WRITE:
+        dry = _cli(rc, port, ADMIN, "acl", "dryrun", TRAINER, *cmd)
+        assert "no permissions" in dry, (cmd, dry)
+        if cmd[0] in ("hset", "hdel"):  # what the daemons' role exists for
+            assert "OK" in _cli(rc, port, ADMIN, "acl", "dryrun", DAEMON, *cmd), cmd
+    for m in rc.masters:  # for real, on every master (whichever serves the key's slot)
+        for cmd in TRAINER_NO_WRITE:
+            reply = _cli(rc, m.port, TRAINER, *cmd)
+            assert "NOPERM" in reply or "MOVED" in reply, (cmd, reply)
+    # and through the real code: register() / report_fill() as the trainer are refused (NOPERM)
+    s = open_store(rc.url(TRAINER))
+    try:
+        from redis.exceptions import NoPermissionError
+
+        with pytest.raises(NoPermissionError, match="no permissions to run the 'hset'"):
+            register(s, DatasetSpec(source=str(tmp_path / "x")), max_registrations=8)
+        with pytest.raises(NoPermissionError, match="no permissions to run the 'hset'"):
+            report_fill(s, "0123456789abcdef", "t160", "forged", owned=1, done=1, quarantined=0, total=1,
+                        rate=0.0)
+        assert s.status_get(REGISTRY_KEY) is not None  # reading is allowed (HGETALL)
+    finally:
+        s.close()
+
+
+@needs_redis
+def test_no_write_command_of_this_server_reaches_the_daemons_keys_as_the_trainer(roles_cluster) -> None:
+    """A fuzz over the server's whole command table (``COMMAND`` as admin): every command flagged
+    ``write`` whose first argument is a key, aimed at the registry and a fill report with arguments of
+    its arity, is refused to the trainers' role by ``ACL DRYRUN`` -- not just the HSET/HDEL the code
+    sends (e.g. HINCRBY, HSETEX, RENAME, COPY, RESTORE, SORT ... STORE, OBJECT, EXPIRE)."""
+    import redis
+
+    rc = roles_cluster
+    port = rc.masters[0].port
+    admin = redis.Redis(port=port, username=ADMIN, password=rc.password(ADMIN), decode_responses=True)
+    try:
+        table = admin.command()
+        checked = 0
+        for name, info in sorted(table.items()):
+            flags = {str(f) for f in info.get("flags", [])}
+            if "write" not in flags or int(info.get("first_key_pos", 0)) != 1 or "|" in name:
+                continue
+            arity = int(info["arity"])
+            n = max(abs(arity), 2)
+            for key in ("dcd:datasets", "dcd:fill:0123456789abcdef:t160"):
+                args = [key] + ["1"] * (n - 2)  # the first argument is the key; the rest of the arity
+                reply = admin.execute_command("ACL", "DRYRUN", TRAINER, name, *args)
+                assert "no permissions" in str(reply), (name, args, reply)
+                checked += 1
+        assert checked > 60, checked  # Redis 7 has ~100 such commands: the table was really walked
+    finally:
+        admin.close()
+
+
+@needs_redis
+@pytest.mark.parametrize("role", [DAEMON, TRAINER])
 @pytest.mark.parametrize("cmd", FORBIDDEN, ids=[" ".join(c[:2]) for c in FORBIDDEN])
-def test_datacache_user_is_refused_what_lists_keys_or_destroys(conf_cluster, cmd: list[str]) -> None:
-    port = conf_cluster[0].port
+def test_datacache_roles_are_refused_what_lists_keys_or_destroys(roles_cluster, role: str,
+                                                                 cmd: list[str]) -> None:
+    rc = roles_cluster
+    port = rc.masters[0].port
     # the ACL itself denies it (asked of the server without running it) ...
-    dry = _cli(port, ADMIN, "acl", "dryrun", "datacache", *cmd)
+    dry = _cli(rc, port, ADMIN, "acl", "dryrun", role, *cmd)
     assert "no permissions" in dry, (cmd, dry)
-    # ... and sent for real as the user it is refused (DEBUG is refused even before the ACL)
-    reply = _cli(port, USER, *cmd)
+    # ... and sent for real as the role it is refused (DEBUG is refused even before the ACL)
+    reply = _cli(rc, port, role, *cmd)
     assert "NOPERM" in reply or (cmd[0] == "debug" and "not allowed" in reply), (cmd, reply)
-    assert conf_cluster[0].proc is not None and conf_cluster[0].proc.poll() is None  # shutdown refused
+    assert rc.masters[0].proc is not None and rc.masters[0].proc.poll() is None  # shutdown refused
+    assert "evil" not in _cli(rc, port, ADMIN, "acl", "users")
 
 
 @needs_redis
-def test_datacache_user_keys_outside_its_prefixes_are_refused(conf_cluster) -> None:
-    port = conf_cluster[0].port
-    assert "NOPERM" in _cli(port, USER, "get", "other:key")
-    assert "NOPERM" in _cli(port, USER, "set", "other:key", "1")
+@pytest.mark.parametrize("role", [DAEMON, TRAINER])
+def test_datacache_roles_keys_outside_their_prefixes_are_refused(roles_cluster, role: str) -> None:
+    port = roles_cluster.masters[0].port
+    assert "NOPERM" in _cli(roles_cluster, port, role, "get", "other:key")
+    assert "NOPERM" in _cli(roles_cluster, port, role, "set", "other:key", "1")
+
+
+@needs_redis
+def test_aclfile_instead_of_the_user_lines(tmp_path) -> None:
+    # the documented alternative: delete the template's four user lines, point Redis at users.acl
+    sec = ensure_passwords(str(tmp_path / "secrets"))
+    acl = tmp_path / "users.acl"
+    acl.write_text("\n".join(acl_lines(sec.passwords)) + "\n")
+    with open(CONF) as f:
+        kept = [ln for ln in f.read().splitlines() if not ln.startswith("user ")]
+    conf = tmp_path / "redis.conf"
+    conf.write_text("\n".join(kept) + f"\naclfile {acl}\n")
+    [srv] = _start_masters(str(conf), tmp_path, 1)
+    try:
+        rc = RoleCluster([srv], sec.dir)
+        assert "NOAUTH" in _cli(None, srv.port, None, "ping")
+        assert "PONG" in _cli(rc, srv.port, DAEMON, "ping") and "PONG" in _cli(rc, srv.port, TRAINER, "ping")
+        assert "NOPERM" in _cli(rc, srv.port, TRAINER, "hset", "dcd:datasets", "a", "b")
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------------------ limits on what is read
+@needs_redis
+def test_registry_read_is_capped_at_max_registrations(roles_cluster, tmp_path, caplog) -> None:
+    from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
+    from cache_daemon.registry import REGISTRY_KEY
+    from cache_daemon.service import Daemon
+    from datacache.stores import open_store
+
+    rc = roles_cluster
+    allowed = tmp_path / "sets"
+    allowed.mkdir()
+    specs = [DatasetSpec(source=str(allowed / f"d{i:02d}"), short_side=32) for i in range(40)]
+    w = open_store(rc.url(DAEMON))  # a leaked daemon password, bypassing POST's cap: 40 direct HSETs
+    try:
+        for sp in specs:
+            w.status_set(REGISTRY_KEY, sp.ident(), msgpack.packb(sp.__dict__))
+        assert len(w.status_get(REGISTRY_KEY)) == 40
+    finally:
+        w.close()
+    cfg = DaemonConfig(cache=rc.url(DAEMON), node="n0", redis_node=rc.masters[0].addr, workers=1,
+                       t1_dir="none", allowed_sources=(str(allowed),), max_registrations=8)
+    daemons = [Daemon(cfg, progress=False), Daemon(cfg, progress=False)]
+    try:
+        with caplog.at_level("WARNING", logger="cache_daemon.registry"):
+            for _ in range(3):
+                for d in daemons:
+                    d._sync_registry()
+        tracked = [sorted(d.states) for d in daemons]
+        # at most max_registrations, the first in field-name order, the same on every daemon
+        assert tracked[0] == tracked[1] == sorted(sp.ident() for sp in specs)[:8]
+        over = [r for r in caplog.records if "not used" in r.getMessage()]
+        assert len(over) == 1 and "holds 40 entries: 32 not used" in over[0].getMessage()  # once, counted
+    finally:
+        for d in daemons:
+            d.store.close()
+        c = open_store(rc.url(DAEMON))
+        try:
+            for sp in specs:
+                c.status_del(REGISTRY_KEY, sp.ident())
+        finally:
+            c.close()
+
+
+@needs_redis
+def test_registry_skips_are_logged_once_and_bounded(roles_cluster, tmp_path, caplog) -> None:
+    from cache_daemon.registry import MAX_EXAMINED, MAX_LOGGED_PER_READ, REGISTRY_KEY, registered
+    from datacache.stores import open_store
+
+    rc = roles_cluster
+    allowed = tmp_path / "ok"
+    allowed.mkdir()
+    s = open_store(rc.url(DAEMON))
+    names = [f"bad-{i:05d}" for i in range(MAX_EXAMINED + 500)]  # junk, more than a read parses
+    try:
+        for name in names:
+            s.status_set(REGISTRY_KEY, name, b"\xc1 not msgpack")
+        big = {"source": str(allowed / "x"), "short_side": 32, "encoding": "raw", "revalidate": "dirs",
+               "pad": "p" * 9000}
+        s.status_set(REGISTRY_KEY, "a-big", msgpack.packb(big))  # over 8 KB: skipped unparsed
+        with caplog.at_level("WARNING", logger="cache_daemon.registry"):
+            for _ in range(3):
+                assert registered(s, (str(allowed),), max_registrations=8) == []
+        msgs = [r.getMessage() for r in caplog.records]
+        one_by_one = [m for m in msgs if m.startswith("skipping registry entry")]
+        assert len(one_by_one) == MAX_LOGGED_PER_READ  # the first 10 of the first read, none repeated
+        assert "a-big" in one_by_one[0] and "more than 8192" in one_by_one[0]
+        summary = [m for m in msgs if "entries skipped as invalid" in m]
+        assert len(summary) == 1 and f"{MAX_EXAMINED} entries skipped" in summary[0]
+        over = [m for m in msgs if "not used" in m]
+        assert len(over) == 1 and "501 not used" in over[0] and "parses at most 4096" in over[0]
+        assert len(msgs) == MAX_LOGGED_PER_READ + 2  # bounded, whatever the registry holds
+    finally:
+        for name in [*names, "a-big"]:
+            s.status_del(REGISTRY_KEY, name)
+        s.close()
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read()
+
+
+@needs_redis
+def test_a_forged_18mb_fill_report_leaves_status_small(roles_cluster, tmp_path) -> None:
+    from datacache.devtools import synth
+    from datacache.fillstatus import MAX_REPORTS, status_key
+    from datacache.stores import open_store
+
+    rc = roles_cluster
+    _reset_acl_log(rc)
+    src = str(tmp_path / "ds")
+    synth.make_imagefolder(src, classes=2, per_class=4, size=(96, 80), seed=5)
+    http = free_ports(1)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.Popen([sys.executable, "-m", "cache_daemon", "--cache", rc.url(DAEMON), "--redis-node",
+                          rc.masters[0].addr, "--node", "n0", "--dataset", src, "--http-port", str(http),
+                          "--workers", "1", "--no-progress", "--poll-interval", "1", "--ownership", "all"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    w = open_store(rc.url(DAEMON))
+    try:
+        deadline = time.monotonic() + 120
+        ds: dict = {}
+        while time.monotonic() < deadline:  # the daemon's own report is in: its dataset is full
+            assert p.poll() is None, p.stderr.read()[-3000:] if p.stderr else ""
+            try:
+                ds = json.loads(_get(f"http://127.0.0.1:{http}/status"))["datasets"][0]
+                if ds["status"] == "full" and ds["cluster"]["nodes"]:
+                    break
+            except (OSError, KeyError, IndexError, ValueError):
+                pass
+            time.sleep(0.2)
+        assert ds.get("status") == "full", ds
+        before = len(_get(f"http://127.0.0.1:{http}/status"))
+        key = status_key(ds["fingerprint"], ds["variant"])
+        good = {"owned": 1, "done": 1, "quarantined": 0, "total": 8, "rate": 1.0, "updated": time.time()}
+        # forged as the daemons' role (the trainers' cannot write dcd:*): 18 MB of junk in one report that
+        # type-checks, small reports with extra fields, thousands of node names, bad numbers
+        w.status_set(key, "forged-big", msgpack.packb({**good, "junk": "x" * (18 << 20)}))
+        extra = {**good, "note": "y" * 500, "nested": {"a": [1] * 50}}  # under the size bound
+        w.status_set(key, "forged-extra", msgpack.packb(extra))
+        w.status_set(key, "forged-nan", msgpack.packb({**good, "rate": float("nan")}))
+        w.status_set(key, "forged-huge", msgpack.packb({**good, "total": 2**62}))
+        w.status_set(key, "forged-bool", msgpack.packb({**good, "done": True}))
+        w.status_set(key, "z" * 5000, msgpack.packb(good))  # a 5000-byte node name
+        for i in range(3000):  # names sorting after the real node's ("n0"): the bound keeps the first
+            w.status_set(key, f"x-flood-{i:05d}", msgpack.packb(good))
+        body = _get(f"http://127.0.0.1:{http}/status")
+        print(f"/status: {len(body)} bytes after the forgery, {before} before")  # shown with -s
+        doc = json.loads(body)
+        nodes = doc["datasets"][0]["cluster"]["nodes"]
+        assert len(nodes) == MAX_REPORTS and "forged-big" not in nodes  # over the size bound: ignored
+        assert nodes["n0"]["done"] == nodes["n0"]["owned"] == 8  # the real report is still read
+        assert nodes["forged-extra"] == good  # only the known fields, copied into a new dict
+        assert not {"forged-nan", "forged-huge", "forged-bool", "z" * 5000} & set(nodes)
+        # bounded: ~200 bytes per considered report, whatever the hash holds (18 MB + 3000 fields)
+        assert len(body) < before + MAX_REPORTS * 256, (len(body), before)
+        assert len(body) < 400_000
+        # the daemon's HTTP paths as its role (each asks Redis something): nothing refused by the ACL
+        for path in ("/health", "/livez", "/readyz", "/metrics"):
+            assert _get(f"http://127.0.0.1:{http}{path}")
+        assert _acl_denials(rc) == {}
+    finally:
+        w.close()
+        p.terminate()
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        if ds.get("fingerprint"):  # the forged hash goes (as admin: the datacache roles cannot DEL)
+            forged = status_key(ds["fingerprint"], ds["variant"]).decode()
+            _cli(rc, rc.masters[0].port, ADMIN, "-c", "del", forged)

@@ -94,7 +94,7 @@ def test_dead_master_is_misses_for_its_keys_only(fresh_cluster) -> None:
 
 def test_wrong_password_or_acl_user_is_a_clear_error_at_open(tmp_path, small_imagefolder: str) -> None:
     from client.dataset import CachedImageNet
-    from datacache.redis_local import start_server
+    from datacache.devtools.redis_local import start_server
 
     srv = start_server(str(tmp_path / "acl"), user="trainer", password="s3cret")
     try:
@@ -114,7 +114,7 @@ def test_wrong_password_or_acl_user_is_a_clear_error_at_open(tmp_path, small_ima
 
 def test_unreachable_server_warns_at_open_and_serves_from_the_source(small_imagefolder: str, caplog) -> None:
     from client.dataset import CachedImageNet
-    from datacache.redis_local import free_port
+    from datacache.devtools.redis_local import free_port
 
     with caplog.at_level(logging.WARNING):
         url = f"redis://127.0.0.1:{free_port()}/0"
@@ -160,7 +160,7 @@ def test_maxmemory_below_the_dataset(tmp_path, imagefolder_factory, policy: str,
 
     from client.dataset import CachedImageNet
     from datacache.decode import decode_image
-    from datacache.redis_local import start_server
+    from datacache.devtools.redis_local import start_server
 
     root = imagefolder_factory(classes=3, per_class=30, size=(213, 160))
     srv = start_server(str(tmp_path / "mm"), maxmemory="4mb", policy=policy)
@@ -194,7 +194,7 @@ def test_rediss_tls_end_to_end(tmp_path, small_imagefolder: str) -> None:
     import subprocess
 
     from client.dataset import CachedImageNet
-    from datacache.redis_local import RedisServer, free_port, server_args
+    from datacache.devtools.redis_local import RedisServer, free_port, server_args
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")

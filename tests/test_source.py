@@ -14,7 +14,7 @@ import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from datacache import slowfs
+from datacache.devtools import slowfs
 from datacache.manifest import Manifest
 from datacache.source import SizeMismatchError, Source, SourceError, is_transient
 

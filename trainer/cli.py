@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from datacache.config import ConfigError
+from datacache.options import parse_bool
 from trainer.train_config import RECIPES, TrainConfig, make_config
 
 PROG = "datacache-train"
@@ -66,9 +67,7 @@ def _convert(name: str, text: str) -> Any:
         raise ConfigError(f"--grid {name}: not a training option; valid: {', '.join(sorted(fields))}")
     kind = type(getattr(TrainConfig(), key))
     if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0", "on", "off"):
-            raise ConfigError(f"--grid {name}={text}: expected true/false")
-        return text.lower() in ("true", "1", "on")
+        return parse_bool(text, f"--grid {name}")
     try:
         return kind(text)
     except ValueError:
@@ -185,17 +184,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    from datacache.redact import install_scrub_filter, redact_text
+
+    install_scrub_filter()  # URL passwords and secrets read from files masked in every log line
     try:
         {"train": _train, "sweep": _sweep, "digits": _digits}[args.command](args)
     except ConfigError as e:
         if args.verbose:
             raise
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     except Exception as e:
         if args.verbose:
             raise
-        print(f"{PROG}: error: {type(e).__name__}: {e} (run with -v for the traceback)", file=sys.stderr)
+        print(f"{PROG}: error: {type(e).__name__}: {redact_text(str(e))} (run with -v for the traceback)",
+              file=sys.stderr)
         return 1
     finally:
         import torch.distributed as dist

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from datacache.options import parse_bool
 from datacache.plan import redis_bytes_per_key
 
 RECORD_HEADER_BYTES = 96  # msgpack header of a raw record (datacache.record), ~80-100 bytes
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "phases":
             continue
         kind = type(value)
-        ap.add_argument("--" + name.replace("_", "-"), type=(lambda s: s.lower() in ("1", "true", "yes"))
+        ap.add_argument("--" + name.replace("_", "-"), type=(lambda s, n=name: parse_bool(s, "--" + n))
                         if kind is bool else kind, default=value, help=f"default {value}")
     ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
     args = vars(ap.parse_args(argv))

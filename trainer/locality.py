@@ -95,9 +95,8 @@ def epoch_owners(store: Any, keys: Sequence[bytes], masters_by_node: Sequence[st
     dist_on = dist.is_available() and dist.is_initialized()
     if not dist_on or dist.get_rank() == src:
         try:
-            refresh = getattr(store, "refresh_slots", None)
-            if refresh is not None:
-                refresh()  # the slot map at this epoch's start, not whatever the last read left cached
+            if store is not None and store.sharded:
+                store.refresh_slots()  # the slot map at this epoch's start, not what the last read left
             owners = owners_from_store(store, keys, masters_by_node)
         except Exception as e:  # COLLECTIVE below: rank src must reach the broadcast whatever happened
             log.warning("locality sampler: cannot read the slot map of %s (%s: %s); this epoch is an "
@@ -180,10 +179,11 @@ def cluster_store(cache_url: str) -> Any | None:
     ``None`` when the cache has none (LMDB, memory, one Redis server)."""
     from datacache.cacheurl import parse_cache_url
     from datacache.config import default_cache_url
+    from datacache.stores import open_store
 
     for t in parse_cache_url(cache_url or default_cache_url()).tiers:
         if t.scheme == "redis+cluster":
-            return t.open()
+            return open_store(t)
     return None
 
 

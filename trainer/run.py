@@ -67,7 +67,8 @@ class Data:
 def open_data(cfg: TrainConfig, cache: str = "") -> Data:
     """The training dataset and the validation split (a separate folder, or a held-out part);
     ``cache`` overrides ``cfg.cache`` (the trainer adds ``local=`` for the byte accounting)."""
-    kw: dict[str, Any] = {"cache": cache or cfg.cache or None, "short_side": cfg.short_side}
+    kw: dict[str, Any] = {"cache": cache or cfg.cache or None, "short_side": cfg.short_side,
+                          "record_key_file": cfg.record_key_file or None}  # None: the environment's
     train = CachedImageNet(cfg.data, **kw)
     if cfg.val_data:
         val = CachedImageNet(cfg.val_data, **kw)

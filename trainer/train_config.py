@@ -59,6 +59,9 @@ class TrainConfig:
     val_fraction: float = _f(0.1, "fraction of --data held out for validation without --val-data", "data")
     cache: str = _f("", "cache URL (lmdb:///local/dir, memory://); empty: the default LMDB cache", "data")
     short_side: int = _f(160, "short side of the cached variant (it serves every resolution)", "data")
+    record_key_file: str = _f("", "file holding the cache's record key (the daemons' record_key_file): "
+                              "records must carry its keyed MAC; empty: $DATACACHE_RECORD_KEY_FILE if set, "
+                              "else none", "data")
     workers: int = _f(2, "DataLoader worker processes per rank (they only cut crop windows)", "data")
     sampler: str = _f("global", "sample order: global (DistributedSampler's shuffle) or local (each node "
                       "reads mostly the samples its own Redis Cluster master holds; exactly once per epoch)",
@@ -205,7 +208,11 @@ class TrainConfig:
                                   f"{train_samples} training samples: lower --batch-size or use more data")
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The config as written to the run directory (metrics, checkpoints): URLs' passwords hidden."""
+        from datacache.redact import redact
+
+        return {f.name: redact(v) if isinstance(v := getattr(self, f.name), str) else v
+                for f in dataclasses.fields(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)

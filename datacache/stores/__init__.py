@@ -1,7 +1,8 @@
-"""Sample stores behind one contract (:class:`~datacache.stores.base.BaseStore`).
+"""Sample stores behind one contract (:class:`~datacache.stores.base.BaseStore`), and the one way to open
+a cache: :func:`open_store`.
 
-``open_store(url)`` parses the URL with :func:`datacache.cacheurl.parse_cache_url` (the one
-parser) and opens the store of its scheme:
+``open_store(url)`` parses the URL with :func:`datacache.cacheurl.parse_cache_url` (the one parser)
+and opens each tier with its scheme's store (:mod:`datacache.stores.schemes`):
 
 * ``memory://[name]`` - a process-local dict (tests, demos); option ``fetch_bytes``;
 * ``lmdb:///abs/path``, ``lmdb://~/dir`` or ``lmdb://rel/dir`` - the embedded on-disk default;
@@ -9,10 +10,11 @@ parser) and opens the store of its scheme:
   ``sync``, ``readahead``. Parsing with ``check=True`` refuses a directory on a network
   filesystem (:func:`datacache.fscheck.require_local_disk`).
 
-* ``redis://[user:pass@]host:port[/db]``, ``rediss://`` (TLS) and
-  ``redis+cluster://[user:pass@]h1:p1[,h2:p2...]`` - Redis and Redis Cluster (the ``[redis]`` extra,
-  imported only when such a URL is opened); options in :mod:`datacache.stores.redis_common`.
-  Parsing with ``check=True`` PINGs the server: a wrong password / ACL user is a ConfigError.
+* ``redis://[user[:pass]@]host:port[/db]``, ``rediss://`` (TLS) and
+  ``redis+cluster://[user[:pass]@]h1:p1[,h2:p2...]`` - Redis and Redis Cluster (the ``[redis]`` extra,
+  imported only when such a URL is opened); options in :mod:`datacache.stores.redis_common`
+  (``password_file=`` among them). Parsing with ``check=True`` PINGs the server: a wrong password /
+  ACL user is a ConfigError.
 
 Several tiers chained with ``::`` open as one :class:`~datacache.tiered.TieredStore`.
 """
@@ -21,97 +23,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from datacache.cacheurl import (
-    CacheSpec,
-    OptionSpec,
-    SchemeSpec,
-    StoreSpec,
-    local_path_location,
-    parse_cache_url,
-    register_scheme,
-)
-from datacache.config import ConfigError
-from datacache.fscheck import require_local_disk
+from datacache.cacheurl import CacheSpec, StoreSpec, parse_cache_url
 from datacache.stores.base import BaseStore, Store
 from datacache.stores.lmdb_store import LMDBStore
 from datacache.stores.memory import MemoryStore
-from datacache.stores.redis_common import COMMON_OPTIONS, LOCAL_OPTION, cluster_location, standalone_location
+from datacache.stores.schemes import scheme_factory
 
 __all__ = ["BaseStore", "LMDBStore", "MemoryStore", "Store", "open_store"]
 
 
-def _open_memory(spec: StoreSpec) -> MemoryStore:
-    return MemoryStore(spec.url, fetch_bytes=spec.option("fetch_bytes"),
-                       readonly=spec.option("readonly", False))
-
-
-def _open_lmdb(spec: StoreSpec) -> LMDBStore:
-    return LMDBStore(spec.location, **spec.opts)
-
-
-register_scheme(SchemeSpec(
-    "memory", _open_memory,
-    options={"fetch_bytes": OptionSpec("bytes", "cap of one read round trip (tests)", minimum=1),
-             "readonly": OptionSpec("bool", "refuse writes")}))
-register_scheme(SchemeSpec(
-    "lmdb", _open_lmdb, location=local_path_location,
-    check=lambda spec: require_local_disk(spec.location, "lmdb"),
-    options={"map_size": OptionSpec("bytes", "initial map reservation (grows)", minimum=1 << 12),
-             "max_map_size": OptionSpec("bytes", "cap on map growth (default: free disk)", minimum=1 << 12),
-             "max_readers": OptionSpec("int", "reader slots (processes x threads)", minimum=1),
-             "readonly": OptionSpec("bool", "open read-only: serve hits, never write"),
-             "sync": OptionSpec("bool", "fsync data on commit"),
-             "readahead": OptionSpec("bool", "OS readahead on the map")}))
-
-
-def _require_redis(url: str) -> None:
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        raise ConfigError(f"cache {url}: the redis package is not installed; pip install 'datacache[redis]'"
-                          ) from None
-
-
-def _open_redis(spec: StoreSpec) -> Any:
-    _require_redis(spec.url)
-    from datacache.stores.redis_store import RedisStore
-
-    return RedisStore(spec)
-
-
-def _open_redis_cluster(spec: StoreSpec) -> Any:
-    _require_redis(spec.url)
-    from datacache.stores.redis_cluster import RedisClusterStore
-
-    return RedisClusterStore(spec)
-
-
-def _check_redis(spec: StoreSpec) -> None:
-    """At construction: the extra is installed and the credentials are right (a server that is down
-    only warns: lookups are misses until it is up)."""
-    from datacache.stores.redis_common import check_credentials
-
-    store = spec.open()
-    try:
-        check_credentials(store.ping_client(), spec.url, cluster=spec.scheme == "redis+cluster")
-    finally:
-        store.close()
-
-
-for _scheme in ("redis", "rediss"):
-    register_scheme(SchemeSpec(_scheme, _open_redis, location=standalone_location, check=_check_redis,
-                               options=dict(COMMON_OPTIONS)))
-register_scheme(SchemeSpec(
-    "redis+cluster", _open_redis_cluster, location=cluster_location, check=_check_redis,
-    options={**COMMON_OPTIONS, **LOCAL_OPTION, "tls": OptionSpec("bool", "connect to the masters over TLS")}))
-
-
-def open_store(url: str | CacheSpec | StoreSpec) -> Any:
-    """Open the store named by ``url``: one tier as itself (synchronous writes, also for Redis), a ``::``
-    chain as a :class:`~datacache.tiered.TieredStore`. A bad URL raises ConfigError naming the part.
-    (The read path opens with :meth:`CacheSpec.open`, which also puts a lone remote tier behind the
-    background write-back queue.)"""
+def open_store(url: str | CacheSpec | StoreSpec, *, background_writes: bool = False) -> Any:
+    """Open the cache ``url`` names, in the process that will use it. One tier opens as itself, with
+    synchronous, acknowledged writes (what the daemon and ``datacache warm`` want, also for Redis); a
+    ``::`` chain opens as a :class:`~datacache.tiered.TieredStore`. ``background_writes=True`` (the read
+    path of ``CachedImageNet``) also puts a lone remote tier behind the TieredStore's background
+    write-back queue, so a miss's write-back never waits for the network. A bad URL raises ConfigError
+    naming the part."""
     if isinstance(url, StoreSpec):
-        return url.open()
-    spec = url if isinstance(url, CacheSpec) else parse_cache_url(url)
-    return spec.tiers[0].open() if len(spec.tiers) == 1 else spec.open()
+        tiers: tuple[StoreSpec, ...] = (url,)
+    else:
+        tiers = (url if isinstance(url, CacheSpec) else parse_cache_url(url)).tiers
+    stores = [scheme_factory(t) for t in tiers]
+    if len(stores) == 1 and not (background_writes and getattr(stores[0], "remote", False)):
+        return stores[0]
+    from datacache.tiered import TieredStore
+
+    return TieredStore(stores)

@@ -104,6 +104,19 @@ class BaseStore:
         self.__dict__.update(state)
         self._reset_process_state()
 
+    # ------------------------------------------------------------ servers (typed: callers never sniff)
+    sharded = False  # keys spread over several masters by hash slot (Redis Cluster)
+
+    def masters(self) -> list[str]:
+        """``host:port`` of the servers that hold this store's keys: every master of a Redis Cluster, the
+        one server of ``redis://``; ``[]`` for a store without servers (LMDB, memory)."""
+        return []
+
+    def node_client(self, addr: str) -> Any:
+        """This process's redis-py client of the server ``addr`` (one of :meth:`masters`, or a cluster's
+        ``redis_node``); KeyError for a store that has no such server."""
+        raise KeyError(f"{self.url} has no server {addr!r}")
+
     # ------------------------------------------------------------ the policy
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:

@@ -163,6 +163,12 @@ class RedisClusterStore(RedisStoreBase):
                                                   **connection_kwargs(self.spec, tls=self.tls))
         return c
 
+    sharded = True
+
+    def node_client(self, addr: str) -> Any:
+        """Client of the node ``addr`` (a master of :meth:`masters`, or ``redis_node``)."""
+        return self.client(addr)
+
     def ping_client(self) -> Any:
         """What the URL check PINGs (and closes): the first seed's client."""
         host, port = self.seeds[0]
@@ -351,20 +357,65 @@ class RedisClusterStore(RedisStoreBase):
         used = sum(int(v.get("used_memory", 0)) for v in per.values())
         return {"entries": keys, "used_memory": used, "masters": per}
 
-    def _health(self) -> str:
-        self._ensure()
-        down = []
-        for addr in self.masters():
-            try:
-                self.client(addr).ping()
-            except Exception as e:
-                down.append(f"{addr} ({type(e).__name__})")
+    def _ping(self, addr: str) -> str | None:
+        """PING one node with this process's client (its ``socket_timeout``); None when it answered, else
+        the error's class name and message (an address and a reason; never a credential)."""
+        try:
+            self.client(addr).ping()
+            return None
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"[:300]
+
+    def node_health(self, addr: str) -> dict[str, Any]:
+        """Health of ONE node (a daemon's own master, ``redis_node``): ``{"ok", "url", "backend", "node",
+        "detail", "slots", "breaker"}``. Only ``addr`` is PINGed: another master being down does not
+        matter here. ``slots``: how many slots the current slot map gives it (0 when it serves none,
+        e.g. after a failover; the map is not refreshed for this)."""
+        err = self._ping(addr)
+        slots = 0
+        with self._lock:
+            nodes, table = self._nodes, self._slots
+        if table is not None and addr in nodes:
+            slots = int((table == nodes.index(addr)).sum())
+        return {"ok": err is None, "url": self.url, "backend": self.backend, "node": addr,
+                "detail": "PONG" if err is None else err, "slots": slots,
+                "breaker": self.breakers().state().get(addr, {"state": "closed"})}
+
+    def cluster_health(self) -> dict[str, Any]:
+        """The whole cluster as this process's slot map sees it, every master PINGed: ``{"ok", "url",
+        "backend", "detail", "masters": {addr: {"ok", "detail", "slots"}}, "masters_down": [addr...],
+        "slots_unassigned", "slots_uncovered"}`` -- ``slots_uncovered`` counts the slots no master serves
+        plus those of the masters down (their keys are misses for every client until they are back).
+        A master that dies without a replica keeps its slots in ``CLUSTER SLOTS`` (with
+        ``cluster-require-full-coverage no`` the others keep serving): it shows here as down, not as
+        unassigned slots. Raises only when no node answers ``CLUSTER SLOTS`` at all."""
+        nodes, slots = self._map()
+        counts = np.bincount(slots[slots >= 0], minlength=len(nodes)) if len(nodes) else np.zeros(0, int)
+        masters: dict[str, dict[str, Any]] = {}
+        for i, addr in enumerate(nodes):
+            if counts[i]:  # a departed master keeps its index in the map but serves nothing
+                err = self._ping(addr)
+                masters[addr] = {"ok": err is None, "detail": "PONG" if err is None else err,
+                                 "slots": int(counts[i])}
+        down = [a for a, m in masters.items() if not m["ok"]]
+        unassigned = int((slots < 0).sum())
+        uncovered = unassigned + sum(masters[a]["slots"] for a in down)
         if down:
-            raise ConnectionError(f"masters down: {', '.join(down)}")
-        _, slots = self._map()
-        if (slots < 0).any():
-            raise ConnectionError(f"{int((slots < 0).sum())} slots not served")
-        return f"{len(self.masters())} masters, all 16384 slots served"
+            kinds = {a: masters[a]["detail"].partition(":")[0] for a in down}  # the error's class name
+            detail = "masters down: " + ", ".join(f"{a} ({kind})" for a, kind in kinds.items())
+        elif unassigned:
+            detail = f"{unassigned} slots not served"
+        else:
+            detail = f"{len(masters)} masters, all {NSLOTS} slots served"
+        return {"ok": not down and not unassigned, "url": self.url, "backend": self.backend, "detail": detail,
+                "masters": masters, "masters_down": down, "slots_unassigned": unassigned,
+                "slots_uncovered": uncovered}
+
+    def _health(self) -> str:
+        h = self.cluster_health()
+        if not h["ok"]:
+            raise ConnectionError(h["detail"])
+        return h["detail"]
 
     def _close(self) -> None:
         if self._pid == os.getpid():

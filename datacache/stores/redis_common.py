@@ -34,6 +34,10 @@ from urllib.parse import unquote
 
 from datacache.cacheurl import OptionSpec, StoreSpec, redact
 from datacache.config import ConfigError
+from datacache.options import choice
+from datacache.options import parse_hostport as _hostport
+from datacache.redact import register_secret
+from datacache.secretfile import read_secret_file
 from datacache.stores.base import BaseStore
 from datacache.stores.breaker import BreakerOpen, Breakers
 
@@ -51,6 +55,7 @@ COMMON_OPTIONS: dict[str, OptionSpec] = {
                                   positive=True, maximum=3600.0),
     "fetch_bytes": OptionSpec("bytes", "reply bytes per round trip (default 2MiB)", minimum=1),
     "client_name": OptionSpec("str", "CLIENT SETNAME shown by CLIENT LIST"),
+    "password_file": OptionSpec("str", "file holding the password (user@host in the URL, no password there)"),
     "ssl_ca_certs": OptionSpec("str", "CA bundle file (TLS)"),
     "ssl_certfile": OptionSpec("str", "client certificate file (TLS)"),
     "ssl_keyfile": OptionSpec("str", "client key file (TLS)"),
@@ -63,21 +68,26 @@ LOCAL_OPTION = {"local": OptionSpec("str", "host:port of the master on this node
 
 
 def split_userinfo(raw: str, url: str) -> tuple[str | None, str | None, str]:
-    """``user:pass@rest`` -> (user, password, rest); ``:pass@rest`` is a password without a user."""
+    """``user:pass@rest`` -> (user, password, rest); ``:pass@rest`` is a password without a user and
+    ``user@rest`` a user without one (its password then comes from ``?password_file=``). The userinfo
+    ends at the LAST ``@``, so a password may hold ``@``, ``/``, ``,`` or ``:`` raw; it is
+    percent-decoded (write ``%`` as ``%25``, ``?`` as ``%3F``, ``#`` as ``%23``).
+    :func:`datacache.redact.redact` hides exactly this password."""
     if "@" not in raw:
         return None, None, raw
     info, _, rest = raw.rpartition("@")
     user, sep, password = info.partition(":")
     if not sep:
-        raise ConfigError(f"cache URL {redact(url)!r}: credentials must be user:password@ or :password@")
+        if not user:
+            raise ConfigError(f"cache URL {redact(url)!r}: credentials must be user:password@, :password@ "
+                              "or user@ (with ?password_file=)")
+        return unquote(user), None, rest
     return (unquote(user) or None), unquote(password), rest
 
 
 def parse_hostport(text: str, url: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"cache URL {redact(url)!r}: {text!r} is not host:port (e.g. 127.0.0.1:6379)")
-    return host.strip("[]"), int(port)
+    """``host:port`` of a node in the cache URL ``url`` (:func:`datacache.options.parse_hostport`)."""
+    return _hostport(text, f"cache URL {redact(url)!r}")
 
 
 def standalone_location(raw: str, url: str) -> str:
@@ -108,6 +118,7 @@ def connection_kwargs(spec: StoreSpec, *, tls: bool) -> dict[str, Any]:
     from redis.retry import Retry
 
     user, password, _ = split_userinfo(spec.location, spec.url)
+    password = password_of(spec, password)
     kw: dict[str, Any] = {
         "username": user, "password": password,
         "socket_timeout": spec.option("socket_timeout", 2.0),
@@ -117,15 +128,28 @@ def connection_kwargs(spec: StoreSpec, *, tls: bool) -> dict[str, Any]:
     if spec.option("client_name"):
         kw["client_name"] = spec.option("client_name")
     if tls:
-        reqs = spec.option("ssl_cert_reqs", "required")
-        if reqs not in CERT_REQS:
-            raise ConfigError(f"cache URL {spec.url!r}: ssl_cert_reqs={reqs!r} is not valid; choose one of "
-                              f"{', '.join(CERT_REQS)}")
+        reqs = choice(f"cache URL {spec.url!r}: ssl_cert_reqs", spec.option("ssl_cert_reqs", "required"),
+                      CERT_REQS)
         kw.update(ssl=True, ssl_cert_reqs=reqs, ssl_check_hostname=spec.option("ssl_check_hostname", False))
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
             if spec.option(name):
                 kw[name] = spec.option(name)
     return kw
+
+
+def password_of(spec: StoreSpec, inline: str | None) -> str | None:
+    """The URL's inline password, or the content of ``?password_file=`` (read in the process that opens
+    the store: DataLoader workers and decode workers read the file themselves, nothing secret is
+    pickled). Both at once is a ConfigError; so is an unreadable or empty file."""
+    path = spec.option("password_file")
+    if not path:
+        if inline:
+            register_secret(inline)
+        return inline
+    if inline:
+        raise ConfigError(f"cache URL {spec.url!r}: a password in the URL and ?password_file= at once; keep "
+                          "one (the file: user@host:port?password_file=/path)")
+    return read_secret_file(path, what=f"cache URL {spec.url!r}: option password_file")
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -70,6 +70,14 @@ class RedisStore(RedisStoreBase):
 
     ping_client = client  # what the URL check PINGs (and closes): this store's own client
 
+    def masters(self) -> list[str]:
+        return [self.addr]
+
+    def node_client(self, addr: str) -> Any:
+        if addr != self.addr:
+            raise KeyError(f"{self.url} has no server {addr!r} (it is {self.addr})")
+        return self.client()
+
     @property
     def addr(self) -> str:
         return f"{self.host}:{self.port}"

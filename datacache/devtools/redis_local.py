@@ -1,14 +1,21 @@
 """Real ``redis-server`` processes on loopback: one standalone server, or an N-master Redis Cluster.
 
 Used by the tests (fixtures start and stop their own servers on free ports), the cluster benchmark
-and ``deploy/local-cluster.sh`` (``python -m datacache.redis_local up``), so every local cluster is
+and ``deploy/local-cluster.sh`` (``python -m datacache.devtools.redis_local up``), so every local cluster is
 built the same way: ``redis-server`` per master with ``cluster-enabled yes`` in its own directory,
 then ``redis-cli --cluster create ... --cluster-yes`` and a wait until ``cluster_state:ok``.
 Nothing here is a mock: these are the Debian ``redis-server`` 7 binaries.
 
 ``up`` uses only a new or empty directory, or one carrying its marker file from an earlier ``up``
 (a non-empty directory without it is refused, untouched), and ``down`` removes only the files ``up``
-wrote there. ``status`` prints one line per node (:mod:`datacache.local_status`).
+wrote there. ``status`` prints one line per node (:mod:`datacache.devtools.local_status`).
+
+The ``up`` cluster has no password-less access: its masters run with the default user off and the three
+roles of :mod:`datacache.redis_roles` (``admin``, ``datacache-daemon``, ``datacache``), whose random
+passwords :mod:`datacache.make_secrets` keeps in ``DIR/secrets/<role>.pass`` (mode 0600, directory 0700;
+reused by a later ``up``, removed by ``down`` when ``up`` created them). Only SHA-256 hashes reach the
+``redis-server`` command lines, the admin password reaches ``redis-cli`` through ``REDISCLI_AUTH``, and
+clients name the file (``?password_file=``, see ``url``): no password on any command line.
 
 Servers run with no persistence (``save ""``, ``appendonly no``): a restarted master comes back
 empty, which is exactly the "node lost its memory" case the fault tests exercise.
@@ -28,7 +35,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from urllib.parse import quote
+
+from datacache.make_secrets import ensure_passwords, password_file
+from datacache.redis_roles import ADMIN, ROLES, RolesError, server_acl_args
 
 
 def _ephemeral_low() -> int:
@@ -135,8 +147,11 @@ class RedisServer:
 
 def server_args(port: int, *, cluster: bool = False, maxmemory: str | None = None,
                 policy: str = "noeviction", password: str | None = None, user: str | None = None,
-                extra: list[str] | None = None) -> list[str]:
-    """Command-line config of a cache node: loopback, no persistence, optional memory cap and ACL user."""
+                roles: Mapping[str, str] | None = None, extra: list[str] | None = None) -> list[str]:
+    """Command-line config of a cache node: loopback, no persistence, optional memory cap, and either the
+    datacache roles (``roles``: role -> password, :mod:`datacache.redis_roles`; only their hashes are on
+    the command line) or one ACL user with every command on the datacache prefixes (``user`` +
+    ``password``, for tests of wrong credentials)."""
     args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--protected-mode", "yes", "--maxmemory-policy", policy, "--daemonize", "no"]
     if maxmemory:
@@ -145,7 +160,9 @@ def server_args(port: int, *, cluster: bool = False, maxmemory: str | None = Non
         args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                  "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no",
                  "--cluster-allow-reads-when-down", "yes"]
-    if user and password:  # an ACL user limited to the datacache key prefixes; default user off
+    if roles:
+        args += server_acl_args(roles)  # default user off; hashes only (ps shows this command line)
+    elif user and password:  # an ACL user limited to the datacache key prefixes; default user off
         args += ["--user", user, "on", f">{password}", "~dc:*", "~dcq:*", "~dcd:*", "+@all",
                  "--user", "default", "off"]
     elif password:
@@ -165,17 +182,22 @@ class LocalCluster:
 
     masters: list[RedisServer] = field(default_factory=list)
     workdir: str = ""
+    admin_password: str = field(default="", repr=False)  # set when the masters run with the roles
 
     @property
     def url(self) -> str:
         return "redis+cluster://" + ",".join(m.addr for m in self.masters)
 
+    def role_url(self, role: str, secrets_dir: str) -> str:
+        """The cluster's URL for ``role`` with its password read from ``secrets_dir`` (no secret in it)."""
+        return role_url(role, [m.port for m in self.masters], secrets_dir)
+
     def wait_ok(self, timeout: float = 20.0) -> None:
         """Wait until every live master reports ``cluster_state:ok`` and knows every slot."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            states = [_cli(m.port, "cluster", "info") for m in self.masters
-                      if m.proc is not None and m.proc.poll() is None]
+            states = [_cli(m.port, "cluster", "info", admin_password=self.admin_password)
+                      for m in self.masters if m.proc is not None and m.proc.poll() is None]
             if states and all("cluster_state:ok" in s and "cluster_slots_assigned:16384" in s
                               for s in states):
                 return
@@ -188,8 +210,9 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         out = ""
         while time.monotonic() < deadline:
-            res = subprocess.run(["redis-cli", "--cluster", "check", self.masters[0].addr],
-                                 capture_output=True, text=True, timeout=30)
+            res = subprocess.run(["redis-cli", *_admin_auth(self.admin_password), "--cluster", "check",
+                                  self.masters[0].addr], capture_output=True, text=True, timeout=30,
+                                 env=_admin_env(self.admin_password))
             out = res.stdout + res.stderr
             if (res.returncode == 0 and "[OK] All nodes agree about slots configuration." in out
                     and "[OK] All 16384 slots covered." in out and "[WARNING]" not in out):
@@ -210,22 +233,41 @@ class LocalCluster:
             m.stop()
 
 
-def _cli(port: int, *args: str, timeout: float = 10.0) -> str:
-    out = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True,
-                         timeout=timeout)
+def _admin_auth(admin_password: str) -> list[str]:
+    return ["--user", ADMIN, "--no-auth-warning"] if admin_password else []
+
+
+def _admin_env(admin_password: str) -> dict[str, str] | None:
+    """redis-cli reads the password from REDISCLI_AUTH: never on its command line (``ps`` shows those)."""
+    return {**os.environ, "REDISCLI_AUTH": admin_password} if admin_password else None
+
+
+def _cli(port: int, *args: str, timeout: float = 10.0, admin_password: str = "") -> str:
+    out = subprocess.run(["redis-cli", "-p", str(port), *_admin_auth(admin_password), *args],
+                         capture_output=True, text=True, timeout=timeout, env=_admin_env(admin_password))
     return out.stdout + out.stderr
 
 
+def role_url(role: str, ports: list[int], secrets_dir: str) -> str:
+    """``redis+cluster://ROLE@127.0.0.1:P1,...?password_file=SECRETS_DIR/ROLE.pass`` (path quoted)."""
+    path = quote(password_file(os.path.abspath(secrets_dir), role), safe="/")
+    return f"redis+cluster://{role}@" + ",".join(f"127.0.0.1:{p}" for p in ports) + f"?password_file={path}"
+
+
 def start_cluster(workdir: str, n: int = 3, *, ports: list[int] | None = None, **kw: object) -> LocalCluster:
-    """Start ``n`` masters (no replicas) and join them into one cluster covering all 16384 slots."""
+    """Start ``n`` masters (no replicas) and join them into one cluster covering all 16384 slots. With
+    ``roles=`` (role -> password) the masters run with the datacache roles and the cluster is created as
+    ``admin``."""
     ports = ports or [free_port() for _ in range(n)]
-    cl = LocalCluster(workdir=workdir)
+    roles = kw.get("roles")
+    admin = str(roles[ADMIN]) if isinstance(roles, Mapping) else ""
+    cl = LocalCluster(workdir=workdir, admin_password=admin)
     try:
         for p in ports:
             cl.masters.append(start_server(os.path.join(workdir, f"node-{p}"), port=p, cluster=True, **kw))
-        out = subprocess.run(["redis-cli", "--cluster", "create", *[m.addr for m in cl.masters],
-                              "--cluster-replicas", "0", "--cluster-yes"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["redis-cli", *_admin_auth(admin), "--cluster", "create",
+                              *[m.addr for m in cl.masters], "--cluster-replicas", "0", "--cluster-yes"],
+                             capture_output=True, text=True, timeout=60, env=_admin_env(admin))
         if out.returncode != 0 or "[OK] All 16384 slots covered" not in out.stdout:
             raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
         cl.wait_ok()
@@ -237,6 +279,8 @@ def start_cluster(workdir: str, n: int = 3, *, ports: list[int] | None = None, *
 
 MARKER = ".datacache-local-cluster"  # written by `up` into DIR: proof that DIR is ours to clean
 STATE = "cluster.json"
+SECRETS = "secrets"  # DIR/secrets/<role>.pass (0600), made by `up` unless already there
+_SECRET_NAMES = frozenset(os.path.basename(password_file("", r)) for r in ROLES)  # what down may remove
 
 
 def _load(path: str) -> dict:
@@ -295,10 +339,20 @@ def _remove_own_nodes(path: str, ports: list[int]) -> None:
             os.rmdir(node)  # only if empty: a file someone put there keeps it
 
 
-def _remove_own(path: str, ports: list[int]) -> None:
-    """Remove only the files `up` wrote (state, node logs and cluster configs, marker); directories only
-    when they are empty afterwards and were ours. Anything else found in ``path`` stays."""
+def _remove_own(path: str, ports: list[int], secrets: list[str] | None = None,
+                secrets_dir_created: bool = False) -> None:
+    """Remove only the files `up` wrote (state, node logs and cluster configs, the password files it
+    created, marker); directories only when they are empty afterwards and were ours. Anything else found
+    in ``path`` stays."""
     _remove_own_nodes(path, ports)
+    sdir = os.path.join(path, SECRETS)
+    for name in secrets or []:
+        if name in _SECRET_NAMES:  # only our own file names, whatever a tampered state file says
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(sdir, name))
+    if secrets_dir_created:
+        with contextlib.suppress(OSError):
+            os.rmdir(sdir)  # only if empty
     for name in (STATE, STATE + ".tmp"):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(path, name))
@@ -327,7 +381,8 @@ def _down(path: str) -> int:
     deadline = time.monotonic() + 15
     while any(_is_redis_server(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)  # wait for the exit, so the node files can go and the ports are free again
-    _remove_own(path, rec.get("ports", []))
+    _remove_own(path, rec.get("ports", []), list(rec.get("secrets", [])),
+                bool(rec.get("secrets_dir_created")))
     print("stopped the local cluster")
     return 0
 
@@ -344,6 +399,13 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
     state = os.path.join(path, STATE)
     ports = [base_port + i for i in range(masters)]
     rec = _load(state) if os.path.exists(state) else {}
+    try:
+        sec = ensure_passwords(os.path.join(path, SECRETS))  # reused when there, else made (0600)
+    except RolesError as e:
+        print(f"cannot start the local cluster: {e}", file=sys.stderr)
+        return 1
+    own = {"secrets": sorted(set(rec.get("secrets", [])) | set(sec.created)),
+           "secrets_dir_created": bool(rec.get("secrets_dir_created")) or sec.created_dir}
     if rec.get("pids"):
         if rec.get("ports") != ports:
             print(f"{path} holds a local cluster on ports {rec.get('ports')}, not {ports}: run `down` first "
@@ -356,44 +418,46 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
             return 0
         # some masters died: start each again on its port with its nodes.conf (it keeps its slots and
         # rejoins; its memory is gone, which its daemon refills)
-        cl = LocalCluster(workdir=path)
+        cl = LocalCluster(workdir=path, admin_password=sec.passwords[ADMIN])
         pids = list(rec["pids"])
         for i, port in enumerate(ports):
             srv = RedisServer(port, os.path.join(path, f"node-{port}"),
-                              server_args(port, cluster=True, maxmemory=maxmemory))
+                              server_args(port, cluster=True, maxmemory=maxmemory, roles=sec.passwords))
             if not alive[i]:
                 srv.start()
                 pids[i] = srv.proc.pid if srv.proc else 0
                 print(f"restarted the redis-server on 127.0.0.1:{port}", file=sys.stderr)
             cl.masters.append(srv)
-        _write_state(state, cl.url, pids, ports)
+        _write_state(state, cl.url, pids, ports, own)
         cl.wait_ok()
         print(cl.url)
         return 0
     if rec.get("ports"):  # an earlier `up` failed before its cluster existed: start over on our own files
         _remove_own_nodes(path, rec["ports"])
-    _write_state(state, "", [], ports)  # the ports first, so `down` finds the node files of a failed start
-    cl = start_cluster(path, masters, ports=ports, maxmemory=maxmemory)
-    _write_state(state, cl.url, [m.proc.pid for m in cl.masters if m.proc], ports)
+    # the ports (and our password files) first, so `down` finds the files of a failed start
+    _write_state(state, "", [], ports, own)
+    cl = start_cluster(path, masters, ports=ports, maxmemory=maxmemory, roles=sec.passwords)
+    _write_state(state, cl.url, [m.proc.pid for m in cl.masters if m.proc], ports, own)
     print(cl.url)
     return 0
 
 
-def _write_state(state: str, url: str, pids: list[int], ports: list[int]) -> None:
+def _write_state(state: str, url: str, pids: list[int], ports: list[int], own: dict | None = None) -> None:
     tmp = state + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"url": url, "pids": pids, "ports": ports}, f)
+        json.dump({"url": url, "pids": pids, "ports": ports, **(own or {})}, f)
     os.replace(tmp, state)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m datacache.redis_local up|down``: a local N-master cluster for the README demo."""
-    ap = argparse.ArgumentParser(prog="python -m datacache.redis_local",
+    """``python -m datacache.devtools.redis_local up|down|status|url``: a local N-master cluster for the
+    README demo; ``url --role ROLE`` prints the cluster's URL for that role (password read from its file)."""
+    ap = argparse.ArgumentParser(prog="python -m datacache.devtools.redis_local",
                                  description="Start (up) or stop (down) a local Redis Cluster of real "
                                              "redis-server processes on 127.0.0.1 (no persistence). `up` "
                                              "uses only a new or empty directory (or its own from an "
                                              "earlier `up`); `down` removes only the files `up` wrote.")
-    ap.add_argument("action", choices=("up", "down", "status"))
+    ap.add_argument("action", choices=("up", "down", "status", "url"))
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "datacache-local-cluster"),
                     help="working directory (state file, logs, nodes.conf)")
     ap.add_argument("--masters", type=int, default=3)
@@ -402,12 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8470,
                     help="status: the first cache daemon's HTTP port (one daemon per master)")
     ap.add_argument("--json", action="store_true", help="status: the daemons' full /status JSON")
+    ap.add_argument("--role", choices=ROLES, default="datacache",
+                    help="url: whose URL (datacache = trainers, datacache-daemon = the daemons)")
     args = ap.parse_args(argv)
     path = os.path.abspath(args.dir)
+    if args.action == "url":
+        ports = [args.base_port + i for i in range(args.masters)]
+        print(role_url(args.role, ports, os.path.join(path, SECRETS)))
+        return 0
     if args.action == "down":
         return _down(path)
     if args.action == "status":
-        from datacache.local_status import print_status
+        from datacache.devtools.local_status import print_status
 
         return print_status(path, [args.base_port + i for i in range(args.masters)],
                             [args.http_port + i for i in range(args.masters)], as_json=args.json)
