@@ -6,7 +6,7 @@ that is put in front of the test interpreter's own packages; then the tests that
 packages run against the floors. A floor that does not install on this Python, or that breaks a test,
 fails this check: raise the floor in pyproject.toml to the lowest version that passes.
 
-Not installed here, and why (the README says the same):
+Not installed here, and why (docs/internals.md says the same):
 
 * ``torch``: its floor comes from an audit of the torch APIs the code calls (e.g.
   ``torch.amp.GradScaler(device)`` needs torch 2.3); the registries reachable here serve no CPU wheel of

@@ -46,7 +46,7 @@ def rate(runs: list[tuple[float, int, float]]) -> float:
 def cold_epoch(root: str, cache: str, batch: int, workers: int) -> dict[str, Any]:
     """One epoch on an empty cache with a fresh (non-persistent) loader: read + decode + write-back,
     worker start-up included (as for :func:`naive_fresh_epoch`)."""
-    ds = CachedImageNet(root, cache, short_side=160, t1_dir=None)
+    ds = CachedImageNet(root, cache=cache, short_side=160, t1_dir=None)
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
                                          collate_fn=AugmentCollate(SIZE),
                                          generator=torch.Generator().manual_seed(1))
@@ -76,7 +76,7 @@ def warm_rounds(root: str, caches: dict[str, str], batch: int, workers: int, rou
     loaders = {"naive": make_loader(naive, batch, workers)}
     datasets = {}
     for name, url in caches.items():
-        datasets[name] = CachedImageNet(root, url, short_side=160, t1_dir=None)
+        datasets[name] = CachedImageNet(root, cache=url, short_side=160, t1_dir=None)
         loaders[name] = make_loader(datasets[name], batch, workers, AugmentCollate(SIZE))
     loaders["copy_ceiling"] = make_loader(datasets["lmdb"], batch, workers, CopyCollate())
     for ld in loaders.values():
@@ -115,7 +115,7 @@ def benchmark_rps(out: str) -> float:
 
 def batched_read(url: str, root: str, batch: int, repeats: int = 3) -> dict[str, Any]:
     """MB/s of ``RedisClusterStore.get_many`` over every key, in batches of ``batch`` keys, one process."""
-    ds = CachedImageNet(root, url, short_side=160, t1_dir=None)
+    ds = CachedImageNet(root, cache=url, short_side=160, t1_dir=None)
     store = ds.store.tiers[0]
     keys = [ds.key(i) for i in range(len(ds))]
     nbytes, dt = timed_reads(store, keys, batch, repeats)
@@ -164,7 +164,7 @@ def connection_read(url: str, root: str, batch: int, workdir: str, repeats: int 
     from datacache.devtools.redis_local import start_server
     from datacache.stores import open_store
 
-    ds = CachedImageNet(root, url, short_side=160, t1_dir=None)
+    ds = CachedImageNet(root, cache=url, short_side=160, t1_dir=None)
     got = ds.store.tiers[0].get_many([ds.key(i) for i in range(len(ds))])
     values = [bytes(v) for v in got if v is not None]
     srv = start_server(os.path.join(workdir, "standalone"))
@@ -236,7 +236,7 @@ from client.augment import AugmentCollate
 from client.dataset import CachedImageNet
 torch.set_num_threads(1)
 t = time.perf_counter()
-ds = CachedImageNet({root!r}, {url!r}, short_side=160, t1_dir=None)
+ds = CachedImageNet({root!r}, cache={url!r}, short_side=160, t1_dir=None)
 setup = time.perf_counter() - t
 loader = make_loader(ds, {batch}, {workers}, AugmentCollate({SIZE}))
 out = []
@@ -263,7 +263,7 @@ def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epoc
 
     flush_cluster(cluster)
     short = 64  # small records: the policy, not the bandwidth, is measured here
-    ds = CachedImageNet(root, cluster.url, short_side=short, t1_dir=None)
+    ds = CachedImageNet(root, cache=cluster.url, short_side=short, t1_dir=None)
     n = len(ds)
     # record size of this variant, measured on a real sample, then Redis's per-key cost (datacache.plan)
     from datacache.plan import redis_bytes_per_key
@@ -277,7 +277,7 @@ def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epoc
         base = int(c.info("memory")["used_memory"])
         c.config_set("maxmemory", int(base + fraction * n * per_key / len(clients)))
         c.config_set("maxmemory-policy", policy)
-    ds = CachedImageNet(root, cluster.url, short_side=short, t1_dir=None)
+    ds = CachedImageNet(root, cache=cluster.url, short_side=short, t1_dir=None)
     ratios = []
     for e in range(epochs):
         ds.reset_stats()

@@ -382,7 +382,7 @@ def ours_first_epoch_from_slowfile(source: str, lmdb_dir: str, size: int, batch:
     """Ours from the same folder: ``CachedImageNet`` on an empty LMDB cache, one cold epoch (read + decode +
     write-back in the DataLoader workers), no conversion step. Seconds from nothing to its end."""
     t = time.perf_counter()
-    ds = CachedImageNet(source, "lmdb://" + lmdb_dir, short_side=short_side, t1_dir=None)
+    ds = CachedImageNet(source, cache="lmdb://" + lmdb_dir, short_side=short_side, t1_dir=None)
     list_s = time.perf_counter() - t
     loader = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
                         collate_fn=AugmentCollate(size), worker_init_fn=worker_init,
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
 
     naive = NaivePILDataset(root)
     n = len(naive)
-    ds = CachedImageNet(root, "lmdb://" + cache_dir, short_side=160, t1_dir=None)
+    ds = CachedImageNet(root, cache="lmdb://" + cache_dir, short_side=160, t1_dir=None)
     naive_loader = make_loader(naive, batch, args.workers)
     dc_loader = make_loader(ds, batch, args.workers, AugmentCollate(SIZE))
     copy_loader = make_loader(ds, batch, args.workers, CopyCollate())

@@ -98,7 +98,7 @@ def _spawn8(ds: Any) -> float:
 def _dataset(source: str, cache_dir: str) -> Any:
     from client.dataset import CachedImageNet
 
-    return CachedImageNet(source, f"lmdb://{cache_dir}", short_side=160, t1_dir=None)
+    return CachedImageNet(source, cache=f"lmdb://{cache_dir}", short_side=160, t1_dir=None)
 
 
 def measure(root: str, tiny: str, workdir: str, latency_ms: float, skip_slow: bool) -> dict[str, Any]:

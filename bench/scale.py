@@ -229,7 +229,7 @@ def rank_main(cfg_json: str) -> None:
     cfg = json.loads(cfg_json)
     torch.set_num_threads(1)
     t = time.perf_counter()
-    ds = CachedImageNet(cfg["root"], cfg["cache"], short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(cfg["root"], cache=cfg["cache"], short_side=SHORT, t1_dir=None)
     open_s = time.perf_counter() - t
     sampler = DistributedSampler(ds, num_replicas=cfg["world"], rank=cfg["rank"], shuffle=True, seed=0)
     # worker-process boundary: the manifest columns are in shared memory (CachedImageNet), each worker
@@ -442,7 +442,7 @@ def run_size(n: int, root: str, workdir: str, *, kill: bool, timeout: float, bat
         from client.dataset import CachedImageNet
 
         t = time.perf_counter()
-        ds = CachedImageNet(root, cluster.url, short_side=SHORT, t1_dir=None)
+        ds = CachedImageNet(root, cache=cluster.url, short_side=SHORT, t1_dir=None)
         res["open"] = {"seconds": time.perf_counter() - t}
         t = time.perf_counter()
         report = ds.wait_warm(timeout=timeout)

@@ -233,10 +233,10 @@ class DaemonConfig:
         if self.api_token_file and not self.api_token:
             token = read_secret_file(self.api_token_file, what="daemon config: key 'api_token_file'")
             object.__setattr__(self, "api_token", token)
-        register_secret(self.api_token)  # masked in any log line that quotes it (datacache.redact)
         if self.api_token and not 16 <= len(self.api_token) <= 4096:
             raise ConfigError("daemon config: the API token must be 16..4096 characters "
                               "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+        register_secret(self.api_token)  # (a valid one only) masked in any log line that quotes it
         if self.record_key_file:  # read and checked at start (ConfigError naming the file, never the key)
             from datacache.record import load_record_key
 

@@ -27,7 +27,8 @@ __all__ = ["ConfigError", "Variant", "default_cache_url", "default_t1_dir", "use
 RESAMPLE_CHOICES = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 ENCODING_CHOICES = ("raw", "jpeg")
 # Which decoder + resize implementation made the pixels. Implementations that do not reproduce each
-# other byte for byte are separate families, so their samples never share a key (README "Decoding").
+# other byte for byte are separate families, so their samples never share a key
+# (docs/internals.md "Decoding").
 DECODER_FAMILY_CHOICES = ("pil", "pil-simd", "dali", "dali-gpu")
 
 

@@ -153,7 +153,7 @@ def _run(cfg: DemoConfig, source: str, cache: str) -> list[EpochResult]:
     from client.dataset import CachedImageNet
 
     t = time.perf_counter()
-    ds = CachedImageNet(source, cache, short_side=cfg.short_side, revalidate=cfg.revalidate,
+    ds = CachedImageNet(source, cache=cache, short_side=cfg.short_side, revalidate=cfg.revalidate,
                         t1_dir=cfg.t1_dir, t1_max_bytes=cfg.t1_max_bytes, record_key_file=cfg.record_key_file)
     print(f"dataset: {len(ds)} images, {len(ds.classes)} classes from {ds.root} "
           f"(listed in {time.perf_counter() - t:.2f} s)")

@@ -13,7 +13,7 @@ BLAKE2b over the storage key, the path, the identity and the reason: a keyed rea
 without the right MAC (the sample is then decoded normally and a genuinely bad file's entry is
 rewritten), and an unkeyed reader ignores MAC'd entries.
 
-Reasons carry no file content (README "Bad input"): every reason made here or in
+Reasons carry no file content (docs/using-the-cache.md "Bad input"): every reason made here or in
 :mod:`datacache.decode` / :mod:`datacache.fill` is the exception's *type* and a fixed message (sizes and
 the file's relative path at most) -- never ``str(e)`` of a decoder or reader exception, which can quote
 the file's bytes (Pillow's "Token too long in file header: ..." does). A reason read back from the

@@ -19,7 +19,9 @@ header field and the payload:
   MAC'd with another key, and (for an unkeyed reader) any MAC'd record are misses.
 
 Format 2 introduced the key binding; format 3 marks pixels made under "one definition of a variant's
-pixels" (:mod:`datacache.decode`). Records of older formats are misses (re-decoded and rewritten).
+pixels" (:mod:`datacache.decode`); format 4 those made with torchvision's ``Resize`` geometry (the long
+side truncated) and DCT scaling only where a >= 1.15x resize follows it. Records of older formats are
+misses (re-decoded and rewritten).
 ``raw`` payloads are decoded zero-copy: :func:`decode_record` returns a read-only ``np.frombuffer``
 view of the payload slice of the buffer it was given (an LMDB ``buffers=True`` memoryview, a Redis
 reply ...), so a cache hit costs one checksum pass and no copy. A ``jpeg`` payload
@@ -60,7 +62,7 @@ from PIL import Image
 
 from datacache.config import ConfigError, Variant
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 CHANNELS = 3  # every record is RGB (datacache.decode makes C-contiguous [H, W, 3] uint8)
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 256

@@ -33,7 +33,9 @@ MASK = "***"
 
 _SECRETS: set[str] = set()
 _SECRETS_LOCK = threading.Lock()
-MIN_SECRET_LEN = 4  # shorter "secrets" would mask ordinary words (and say little when masked)
+# shorter "secrets" would mask ordinary words in every log line of the process (and a password that short
+# is no secret anyway); they are still hidden wherever they sit in a URL (redact)
+MIN_SECRET_LEN = 8
 
 
 def _redact_tier(tier: str) -> str:

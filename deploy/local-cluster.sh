@@ -90,9 +90,12 @@ except Exception:
 
 # wait for daemon $1's /health; if it exits or never answers, show its log tail and fail
 wait_daemon() {
-  local i="$1" deadline=$((SECONDS + HEALTH_WAIT))
+  local i="$1" deadline=$((SECONDS + HEALTH_WAIT)) pid
+  pid="$(cat "$DIR/daemon-$i.pid" 2>/dev/null || echo 0)"
   while [ "$SECONDS" -lt "$deadline" ]; do
-    if ! daemon_alive "$i"; then
+    # alive = the process we started still exists (kill -0). daemon_alive's cmdline check would race
+    # here: between the fork and setsid's exec, our child's cmdline is still this script's
+    if ! kill -0 "$pid" 2>/dev/null; then
       say "daemon node-$i exited at start; the end of $DIR/daemon-$i.log:"
       tail -n 20 "$DIR/daemon-$i.log" >&2 || true
       rm -f "$DIR/daemon-$i.pid"

@@ -151,7 +151,7 @@ def test_quick_rehearsal_end_to_end(tmp_path) -> None:
         assert (("keys_after" in r["refill"] and r["refill"]["keys_after"] >= r["refill"]["owned"] - bad)
                 or "thread wait channels" in r["refill"]["error"])
         assert r["status"]["bytes"] > 0 and r["metrics"]["bytes"] > 0
-        # the idle pass is measured, or -- a known daemon bug, see the README's Scale section: a fill pass
+        # the idle pass is measured, or -- a known daemon bug, see docs/benchmarks.md "Scale": a fill pass
         # forks a process pool from the threaded daemon and can hang joining it -- diagnosed, not crashed on
         assert r["idle_pass"].get("cpu_s_max", 0) > 0 or "thread wait channels" in r["idle_pass"]["error"]
         assert r["plan"]["predicted_bytes"] > 0 and r["plan"]["measured_bytes"] > 0

@@ -63,14 +63,14 @@ def test_replaced_file_is_never_served_from_an_old_t1_copy(tree: str, tmp_path) 
     os.utime(victim, (1_000_000, 1_000_000))
     url = f"slowfile://{tree}?latency_ms=0&mbps=0"  # remote-like: goes through T1
     kw = dict(short_side=SHORT, t1_dir=str(tmp_path / "t1"))
-    ds = CachedImageNet(url, f"lmdb://{tmp_path}/c", **kw)
+    ds = CachedImageNet(url, cache=f"lmdb://{tmp_path}/c", **kw)
     i = list(ds.manifest.paths).index("c001/00002.JPEG")
     assert torch.equal(ds[i][0], _pixels(old)) and ds.stats()["t1"]["misses"] >= 1
     tmp = victim + ".tmp"
     with open(tmp, "wb") as f:  # rsync: write a temp file, then rename it over the old one
         f.write(new)
     os.replace(tmp, victim)
-    ds2 = CachedImageNet(url, f"lmdb://{tmp_path}/c", **kw)  # "dirs" sees the rename: new fingerprint
+    ds2 = CachedImageNet(url, cache=f"lmdb://{tmp_path}/c", **kw)  # "dirs" sees the rename: new fingerprint
     assert ds2.manifest.fingerprint != ds.manifest.fingerprint
     img, _ = ds2[i]
     assert torch.equal(img, _pixels(new)) and not torch.equal(img, _pixels(old))
@@ -83,7 +83,7 @@ def test_in_place_rewrite_needs_revalidate_full(tree: str, tmp_path) -> None:
     with open(victim, "wb") as f:
         f.write(old)
     cache = f"lmdb://{tmp_path}/c"
-    ds = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None)
     i = list(ds.manifest.paths).index("c000/00001.JPEG")
     assert torch.equal(ds[i][0], _pixels(old))
     d = os.path.dirname(victim)
@@ -91,9 +91,10 @@ def test_in_place_rewrite_needs_revalidate_full(tree: str, tmp_path) -> None:
     with open(victim, "r+b") as f:  # rewritten in place: the directory's mtime does not change
         f.write(new)
     os.utime(d, ns=(dir_st.st_atime_ns, dir_st.st_mtime_ns))
-    stale = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None)  # "dirs": documented not to see it
+    # "dirs": documented not to see it
+    stale = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None)
     assert stale.manifest.fingerprint == ds.manifest.fingerprint
-    full = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None, revalidate="full")
+    full = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None, revalidate="full")
     assert full.manifest.fingerprint != ds.manifest.fingerprint
     assert torch.equal(full[i][0], _pixels(new))
 
@@ -106,9 +107,9 @@ def _cold_and_count(ds: CachedImageNet) -> list:
 
 def test_readonly_cache_serves_and_counts_skipped_writes(tree: str, tmp_path, caplog) -> None:
     path = tmp_path / "c"
-    first = CachedImageNet(tree, f"lmdb://{path}", short_side=SHORT, t1_dir=None)
+    first = CachedImageNet(tree, cache=f"lmdb://{path}", short_side=SHORT, t1_dir=None)
     first.__getitems__(list(range(4)))  # half of the samples cached
-    ro = CachedImageNet(tree, f"lmdb://{path}?readonly=1", short_side=SHORT, t1_dir=None)
+    ro = CachedImageNet(tree, cache=f"lmdb://{path}?readonly=1", short_side=SHORT, t1_dir=None)
     assert ro.manifest_dir == os.path.join(str(path), "manifests")  # the option is not part of the path
     with caplog.at_level(logging.WARNING, logger="datacache.stores"):
         out = _cold_and_count(ro)
@@ -139,7 +140,7 @@ def _mounted(args: list[str], where: str):
 
 def test_read_only_filesystem_cache_serves_hits_and_skips_writes(tree: str, tmp_path) -> None:
     src = tmp_path / "c"
-    first = CachedImageNet(tree, f"lmdb://{src}", short_side=SHORT, t1_dir=None)
+    first = CachedImageNet(tree, cache=f"lmdb://{src}", short_side=SHORT, t1_dir=None)
     first.__getitems__([0, 1, 2])
     first.store.close()  # the same files must not be open twice in one process (LMDB's rule)
     ro = tmp_path / "ro"
@@ -147,7 +148,7 @@ def test_read_only_filesystem_cache_serves_hits_and_skips_writes(tree: str, tmp_
     with _mounted(["--bind", str(src)], str(ro)):
         remount = subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True)
         assert remount.returncode == 0, remount.stderr
-        ds = CachedImageNet(tree, f"lmdb://{ro}", short_side=SHORT, t1_dir=None)
+        ds = CachedImageNet(tree, cache=f"lmdb://{ro}", short_side=SHORT, t1_dir=None)
         _cold_and_count(ds)
         st = ds.stats()
         assert st["hits"] == 3 and st["decoded"] == len(ds) - 3
@@ -163,7 +164,7 @@ def test_full_disk_or_map_serves_every_sample(small_imagefolder: str, tmp_path, 
     ctx = _mounted(["-t", "tmpfs", "-o", "size=2m", "tmpfs"], str(disk)) if how == "tmpfs" \
         else contextlib.nullcontext()
     with ctx:
-        ds = CachedImageNet(small_imagefolder, url, short_side=160, t1_dir=None)
+        ds = CachedImageNet(small_imagefolder, cache=url, short_side=160, t1_dir=None)
         first = [x for s in range(0, len(ds), 4) for x in ds.__getitems__(list(range(s, s + 4)))]
         st = ds.stats()
         assert 0 < st["t2"]["written"] < len(ds) and st["t2"]["write_errors"] == len(ds) - st["t2"]["written"]
@@ -180,7 +181,7 @@ def test_unreadable_store_and_short_reads_inside_dataloader_workers(tree: str, t
     a file that is shorter than listed is skipped for this run only, never remembered as bad."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_bytes(b"x")  # the LMDB directory path is a file: the store cannot be opened
-    ds = CachedImageNet(tree, f"lmdb://{blocker}/c", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(tree, cache=f"lmdb://{blocker}/c", short_side=SHORT, t1_dir=None)
     loader = DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="fork", collate_fn=as_list)
     got = [item for batch in loader for item in batch]
     st = ds.stats()
@@ -189,7 +190,7 @@ def test_unreadable_store_and_short_reads_inside_dataloader_workers(tree: str, t
 
     cache = f"lmdb://{tmp_path}/c2"
     victim = os.path.join(tree, "c000", "00003.JPEG")
-    ds1 = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None)
+    ds1 = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None)
     with open(victim, "rb") as f:
         good = f.read()
     st0 = os.stat(victim)
@@ -203,7 +204,7 @@ def test_unreadable_store_and_short_reads_inside_dataloader_workers(tree: str, t
     with open(victim, "wb") as f:  # the file is back, same size and mtime: same fingerprint
         f.write(good)
     os.utime(victim, ns=(st0.st_atime_ns, st0.st_mtime_ns))
-    ds2 = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None, revalidate="full")
+    ds2 = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None, revalidate="full")
     assert ds2.manifest.fingerprint == ds1.manifest.fingerprint
     ds2.__getitems__(list(range(len(ds2))))
     assert ds2.quarantined == {} and ds2.stats()["t2"]["known_bad"] == 0
@@ -224,25 +225,25 @@ def test_out_of_memory_is_transient_and_a_fixed_file_is_retried(tree: str, tmp_p
         return real_load(self)
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", load_once_oom)
-    ds = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None)
     ds[0]
     assert "out of memory" in ds.quarantined[ds.manifest.paths[0]]
     monkeypatch.setattr(ImageFile.ImageFile, "load", real_load)
-    ds2 = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None)
+    ds2 = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None)
     ds2[0]
     assert ds2.quarantined == {} and ds2.stats()["decoded"] == 1
 
     victim = os.path.join(tree, "c001", "00000.JPEG")  # genuinely corrupt, complete bytes: remembered
     with open(victim, "wb") as f:
         f.write(b"\xff\xd8" + b"garbage" * 100)
-    ds3 = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None, revalidate="full")  # in-place edit
+    ds3 = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None, revalidate="full")  # in-place edit
     j = list(ds3.manifest.paths).index("c001/00000.JPEG")
     ds3[j]
-    ds4 = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None)
+    ds4 = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None)
     ds4[j]
     assert ds4.stats()["t2"]["known_bad"] == 1 and ds4.stats()["bytes_read"] < 1000
     with open(victim, "wb") as f:  # fixed: a new identity clears the verdict
         f.write(_jpeg(5))
-    ds5 = CachedImageNet(tree, cache, short_side=SHORT, t1_dir=None, revalidate="full")
+    ds5 = CachedImageNet(tree, cache=cache, short_side=SHORT, t1_dir=None, revalidate="full")
     img, _ = ds5[j]
     assert ds5.quarantined == {} and torch.equal(img, _pixels(_jpeg(5)))

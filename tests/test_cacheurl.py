@@ -64,7 +64,7 @@ def test_bad_url_fails_at_construction_not_in_a_worker(small_imagefolder: str) -
     from client.dataset import CachedImageNet
 
     with pytest.raises(ConfigError, match=r"unknown scheme 'bogus'.*valid schemes: .*lmdb://, memory://"):
-        CachedImageNet(small_imagefolder, "bogus://x")
+        CachedImageNet(small_imagefolder, cache="bogus://x")
     proc = subprocess.run([sys.executable, "-m", "datacache.cli", "demo", "--cache", "bogus://x"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown scheme 'bogus'" in proc.stderr and "lmdb://" in proc.stderr
@@ -99,7 +99,7 @@ def test_lmdb_cache_on_a_network_filesystem_is_refused(small_imagefolder: str, t
     nfs_home = str(tmp_path / "home")
     monkeypatch.setattr(fscheck, "filesystem_type", lambda p: "nfs4" if p.startswith(nfs_home) else "ext4")
     url = f"lmdb://{nfs_home}/.cache/datacache/lmdb"
-    for make in (lambda: CachedImageNet(small_imagefolder, url),
+    for make in (lambda: CachedImageNet(small_imagefolder, cache=url),
                  lambda: warm_cache(small_imagefolder, url, progress=False)):
         with pytest.raises(ConfigError) as ei:
             make()
@@ -107,4 +107,5 @@ def test_lmdb_cache_on_a_network_filesystem_is_refused(small_imagefolder: str, t
         assert f"{nfs_home}/.cache/datacache/lmdb" in msg and "nfs4" in msg
         assert "lmdb:///local/disk/path" in msg
     assert not os.path.exists(nfs_home)  # refused before anything was created
-    CachedImageNet(small_imagefolder, f"lmdb://{tmp_path}/local", short_side=32, t1_dir=None)  # local: fine
+    CachedImageNet(small_imagefolder, cache=f"lmdb://{tmp_path}/local", short_side=32,
+                   t1_dir=None)  # local: fine

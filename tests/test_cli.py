@@ -84,7 +84,7 @@ def test_warm_then_stats(tmp_path, capsys: pytest.CaptureFixture) -> None:
     # the warmed cache serves CachedImageNet without decoding
     from client.dataset import CachedImageNet
 
-    ds = CachedImageNet(src, cache, short_side=48, t1_dir=None)
+    ds = CachedImageNet(src, cache=cache, short_side=48, t1_dir=None)
     ds.__getitems__(list(range(len(ds))))
     st = ds.stats()
     assert st["decoded"] == 0 and st["bytes_read"] == 0 and st["t2"]["known_bad"] == 3
@@ -115,7 +115,7 @@ def test_revalidate_and_t1_cap_are_reachable(tmp_path, capsys: pytest.CaptureFix
     assert "decoded 12" in capsys.readouterr().out
     assert 0 < sum(f.stat().st_size for f in t1.iterdir()) <= cap  # the cap held during the warm
     t1b = tmp_path / "t1b"
-    ds = CachedImageNet(slow, "memory://", short_side=32, t1_dir=str(t1b), t1_max_bytes=cap,
+    ds = CachedImageNet(slow, cache="memory://", short_side=32, t1_dir=str(t1b), t1_max_bytes=cap,
                         revalidate="full")
     ds.__getitems__(list(range(len(ds))))
     assert ds.revalidate == "full" and 0 < sum(f.stat().st_size for f in t1b.iterdir()) <= cap

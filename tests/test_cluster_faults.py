@@ -28,7 +28,7 @@ def as_list(batch: list) -> list:
 
 def reference(ds: CachedImageNet, i: int) -> torch.Tensor:
     """A direct decode of the file (Pillow), independent of every cache."""
-    with open(os.path.join(ds.root[len("file://"):], ds.manifest.paths[i]), "rb") as f:
+    with open(os.path.join(ds.manifest.root[len("file://"):], ds.manifest.paths[i]), "rb") as f:
         return torch.from_numpy(decode_image(f.read(), ds.variant)).permute(2, 0, 1)
 
 
@@ -38,7 +38,7 @@ def epoch_in_new_process(root: str, url: str) -> dict:
         import json, sys
         from torch.utils.data import DataLoader
         from client.dataset import CachedImageNet
-        ds = CachedImageNet({root!r}, {url!r}, short_side={SHORT}, t1_dir=None)
+        ds = CachedImageNet({root!r}, cache={url!r}, short_side={SHORT}, t1_dir=None)
         n = sum(len(b) for b in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=lambda b: b))
         assert n == len(ds)
         print(json.dumps(ds.stats()))
@@ -52,7 +52,7 @@ def epoch_in_new_process(root: str, url: str) -> dict:
 def test_master_killed_mid_epoch_then_restarted_empty(fresh_cluster, imagefolder_factory) -> None:
     root = imagefolder_factory(classes=3, per_class=16, size=(80, 60))
     url = fresh_cluster.url
-    ds = CachedImageNet(root, url, short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(root, cache=url, short_side=SHORT, t1_dir=None)
     n = len(ds)
     keys = [ds.key(i) for i in range(n)]
     owner = ds.store.tiers[0].master_of(keys)

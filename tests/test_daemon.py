@@ -96,7 +96,7 @@ def test_three_daemons_ingest_every_sample_exactly_once(cluster_url: str, redis_
     decoded = [decoded_in(log)[0] for log in logs]
     assert decoded == [len(k) for k in per_node]  # each daemon wrote exactly the keys its own master serves
     assert sum(decoded) == 36 and len({k for ks in per_node for k in ks}) == 36  # every sample, once
-    ds = CachedImageNet(root, cluster_url, short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(root, cache=cluster_url, short_side=SHORT, t1_dir=None)
     report = ds.wait_warm(timeout=5)
     assert report["full"] and {n: r["owned"] for n, r in report["nodes"].items()} == \
         {f"node{i}": len(k) for i, k in enumerate(per_node)}
@@ -181,7 +181,7 @@ def test_http_endpoints_registration_and_wait_warm(redis_url: str, imagefolder_f
             urllib.request.urlopen(bad, timeout=5)
         assert ei.value.code == 400 and "'source'" in ei.value.read().decode()
         assert datacache_main(["warm", root, "--via-daemon", base, "--short-side", str(SHORT)]) == 0
-        ds = CachedImageNet(root, redis_url, short_side=SHORT, t1_dir=None)
+        ds = CachedImageNet(root, cache=redis_url, short_side=SHORT, t1_dir=None)
         report = ds.wait_warm(timeout=60)
         assert report["full"] and report["nodes"]["n1"]["done"] == 12
         with urllib.request.urlopen(base + "/status", timeout=5) as r:
@@ -203,7 +203,7 @@ def test_http_endpoints_registration_and_wait_warm(redis_url: str, imagefolder_f
 def test_wait_warm_needs_a_redis_tier(small_imagefolder: str, tmp_path) -> None:
     from client.dataset import CachedImageNet
 
-    ds = CachedImageNet(small_imagefolder, f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(small_imagefolder, cache=f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
     with pytest.raises(ConfigError, match="no Redis tier"):
         ds.wait_warm(timeout=1)
 
@@ -212,7 +212,7 @@ def test_wait_warm_needs_a_redis_tier(small_imagefolder: str, tmp_path) -> None:
 def test_wait_warm_times_out_with_the_fill_so_far(redis_url: str, small_imagefolder: str) -> None:
     from client.dataset import CachedImageNet
 
-    ds = CachedImageNet(small_imagefolder, redis_url, short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(small_imagefolder, cache=redis_url, short_side=SHORT, t1_dir=None)
     with pytest.raises(TimeoutError, match=r"0/24 cached by 0 reporting daemons"):
         ds.wait_warm(timeout=0.5, poll=0.1)
 

@@ -25,8 +25,9 @@ from tests.redis_utils import cli, needs_redis, slot_owners
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 32
 TOKEN = "t" * 32
-REGISTRY_KEY = b"dcd:datasets"  # README: registrations live in the Redis hash dcd:datasets
-ROUNDS_TO_FAIL = 3  # README: 3 rounds in a row failing before any pass fail /livez; we watch past that
+REGISTRY_KEY = b"dcd:datasets"  # docs/cluster.md: registrations live in the Redis hash dcd:datasets
+# docs/cluster.md: 3 rounds in a row failing before any pass fail /livez; we watch past that
+ROUNDS_TO_FAIL = 3
 EXIT_FORCED = 3
 
 def start(tmp_path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int, str]:

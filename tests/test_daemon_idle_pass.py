@@ -227,13 +227,16 @@ def test_verify_interval_bounds_how_long_the_shortcut_is_trusted(fresh_cluster, 
     before = exists_calls(m.port)
     never.run()
     assert never.state.shortcut_passes == 0 and exists_calls(m.port) > before
-    short = Node(fresh_cluster.url, root, m.addr, verify_interval=0.2)
+    import time
+
+    # the interval must outlast one pass on a loaded machine (a pass here takes ~50 ms; under a busy CI
+    # it has taken longer than 0.2 s): the shortcut is trusted for 2 s, then no longer
+    interval = 2.0
+    short = Node(fresh_cluster.url, root, m.addr, verify_interval=interval)
     short.run()
     short.run()
     assert short.state.shortcut_passes == 1
-    import time
-
-    time.sleep(0.3)
+    time.sleep(interval + 0.5)
     before = exists_calls(m.port)
     short.run()  # older than verify_interval: every key is checked again
     assert short.state.shortcut_passes == 1 and exists_calls(m.port) > before

@@ -29,7 +29,7 @@ from tests.redis_utils import cli, needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = 32
-EXIT_FORCED = 3  # documented in cache_daemon.service / README (independent constant on purpose)
+EXIT_FORCED = 3  # documented in cache_daemon.service / docs/cluster.md (independent constant on purpose)
 
 _STARTED: list[subprocess.Popen] = []
 

@@ -38,7 +38,7 @@ def _run(ds: CachedImageNet, **kw) -> list[tuple[torch.Tensor, int]]:
 
 
 def test_workers_fork_spawn_identical_and_stats_shared(folder: str, tmp_path) -> None:
-    ds = CachedImageNet(folder, f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache=f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
     n = len(ds)
     cold = _run(ds, num_workers=2, multiprocessing_context="fork")  # cold epoch in 2 forked workers
     st = ds.stats()  # the parent sees what both workers counted
@@ -60,7 +60,7 @@ def test_workers_fork_spawn_identical_and_stats_shared(folder: str, tmp_path) ->
 
 
 def test_distributed_sampler_two_ranks(folder: str) -> None:
-    ds = CachedImageNet(folder, "memory://", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache="memory://", short_side=SHORT, t1_dir=None)
     seen = []
     for rank in (0, 1):
         sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=1)
@@ -79,7 +79,7 @@ def test_substitute_keeps_batches_full_across_workers(tmp_path) -> None:
     root = str(tmp_path / "train")
     synth.make_imagefolder(root, classes=2, per_class=4, size=(80, 60), seed=6)
     bad = synth.write_bad_inputs(root)
-    ds = CachedImageNet(root, f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(root, cache=f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
     loader = DataLoader(ds, batch_size=5, shuffle=True, num_workers=2, multiprocessing_context="fork",
                         collate_fn=AugmentCollate(24, seed=0), drop_last=False,
                         generator=torch.Generator().manual_seed(0))
@@ -100,7 +100,7 @@ SECOND_RUN = textwrap.dedent("""
 
     Manifest._from_folder = classmethod(no_walk)  # the persisted manifest must be reused
     from datacache import CachedImageNet
-    ds = CachedImageNet(sys.argv[1], sys.argv[2], short_side=int(sys.argv[3]), t1_dir=None)
+    ds = CachedImageNet(sys.argv[1], cache=sys.argv[2], short_side=int(sys.argv[3]), t1_dir=None)
     for i in range(0, len(ds), 5):
         ds.__getitems__(list(range(i, min(len(ds), i + 5))))
     print(json.dumps(ds.stats()))
@@ -109,7 +109,7 @@ SECOND_RUN = textwrap.dedent("""
 
 def test_second_process_gets_only_hits(folder: str, tmp_path) -> None:
     cache = f"lmdb://{tmp_path}/c"
-    first = CachedImageNet(folder, cache, short_side=SHORT, t1_dir=None)
+    first = CachedImageNet(folder, cache=cache, short_side=SHORT, t1_dir=None)
     first.__getitems__(list(range(len(first))))
     assert first.stats()["decoded"] == len(first)
     proc = subprocess.run([sys.executable, "-c", SECOND_RUN, folder, cache, str(SHORT)], cwd=REPO,
@@ -157,7 +157,7 @@ def test_manifest_columns_travel_to_spawn_workers_as_shared_memory(folder: str, 
     back = pickle.loads(pickle.dumps(large))
     assert back.fingerprint == large.compute_fingerprint() == back.compute_fingerprint()
 
-    ds = CachedImageNet(folder, f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache=f"lmdb://{tmp_path}/c", short_side=SHORT, t1_dir=None)
     man = ds.manifest
     got = next(iter(DataLoader(_ManifestProbe(ds), batch_size=None, num_workers=1,
                                multiprocessing_context="spawn")))

@@ -39,7 +39,7 @@ def _lmdb(tmp_path) -> str:
 
 
 def test_imagefolder_face_and_hits(folder: str, tmp_path) -> None:
-    ds = CachedImageNet(folder, _lmdb(tmp_path), short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache=_lmdb(tmp_path), short_side=SHORT, t1_dir=None)
     classes = sorted(os.listdir(folder))
     assert ds.classes == classes and ds.class_to_idx == {c: i for i, c in enumerate(classes)}
     expect = [(os.path.join(folder, c, f), i) for i, c in enumerate(classes)
@@ -67,16 +67,16 @@ def test_imagefolder_face_and_hits(folder: str, tmp_path) -> None:
 
 
 def test_transform_and_bad_option(folder: str) -> None:
-    ds = CachedImageNet(folder, "memory://", short_side=SHORT, t1_dir=None,
+    ds = CachedImageNet(folder, cache="memory://", short_side=SHORT, t1_dir=None, output="tensor",
                         transform=lambda x: x[:, :SHORT, :SHORT].float() / 255)
     img, _ = ds[2]
     assert img.dtype == torch.float32 and img.shape == (3, SHORT, SHORT) and float(img.max()) <= 1.0
     with pytest.raises(ConfigError, match=r"substitute.*raise"):
-        CachedImageNet(folder, "memory://", on_error="skip")
+        CachedImageNet(folder, cache="memory://", on_error="skip")
 
 
 def test_pickles_cheaply_without_handles(folder: str, tmp_path) -> None:
-    ds = CachedImageNet(folder, _lmdb(tmp_path), short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache=_lmdb(tmp_path), short_side=SHORT, t1_dir=None)
     ds[0]  # opens the store and the source in this process
     blob = pickle.dumps(ds)
     assert len(blob) < 40_000  # manifest + config + two tiny counter tensors, no env handles
@@ -87,7 +87,7 @@ def test_pickles_cheaply_without_handles(folder: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip", "wrong_label", "foreign_key"])
 def test_invalid_record_is_a_miss_and_rewritten(folder: str, tmp_path, damage: str) -> None:
-    ds = CachedImageNet(folder, _lmdb(tmp_path), short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache=_lmdb(tmp_path), short_side=SHORT, t1_dir=None)
     good, label = ds[4]
     good = good.clone()
     store = ds.store  # the process-wide handle (LMDB allows one per environment and process)
@@ -122,13 +122,14 @@ def test_invalid_record_is_a_miss_and_rewritten(folder: str, tmp_path, damage: s
 
 def test_bad_inputs_substitute(bad_folder, tmp_path) -> None:
     root, cases = bad_folder
-    ds = CachedImageNet(root, _lmdb(tmp_path), short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(root, cache=_lmdb(tmp_path), short_side=SHORT, t1_dir=None,
+                        allow_empty=True)  # the tree has an empty class folder (torchvision: same flag)
     failing = {cases[k] for k in ("corrupt", "truncated", "zero_byte", "dangling_symlink")}
     assert cases["non_image"] not in ds.manifest.paths  # skipped by the listing, counted
     assert ds.manifest.ignored.get("non_image") == 1
     assert not any(p.startswith(cases["directory_named_jpeg"] + "/") or p == cases["directory_named_jpeg"]
                    for p in ds.manifest.paths)
-    assert cases["empty_class"] in ds.classes  # keeps its index, like torchvision
+    assert cases["empty_class"] in ds.classes  # keeps its index, like torchvision(allow_empty=True)
     idx = list(range(len(ds)))
     batch = ds.__getitems__(idx)
     assert len(batch) == len(ds)  # batch size unchanged
@@ -152,7 +153,7 @@ def test_bad_inputs_substitute(bad_folder, tmp_path) -> None:
     uni = batch[by_rel[cases["unicode"]]][0]
     assert min(uni.shape[1:]) == SHORT and cases["unicode"] not in q
     # a second dataset on the same cache does not re-read files known to be undecodable
-    ds2 = CachedImageNet(root, _lmdb(tmp_path), short_side=SHORT, t1_dir=None)
+    ds2 = CachedImageNet(root, cache=_lmdb(tmp_path), short_side=SHORT, t1_dir=None, allow_empty=True)
     ds2.__getitems__(idx)
     st2 = ds2.stats()
     # corrupt, truncated and zero-byte are remembered; the dangling link (a read error) is retried
@@ -165,7 +166,8 @@ def test_bad_inputs_substitute(bad_folder, tmp_path) -> None:
 @pytest.mark.parametrize("case", ["corrupt", "truncated", "zero_byte", "dangling_symlink"])
 def test_bad_inputs_raise_names_the_file(bad_folder, case: str) -> None:
     root, cases = bad_folder
-    ds = CachedImageNet(root, "memory://", short_side=SHORT, t1_dir=None, on_error="raise")
+    ds = CachedImageNet(root, cache="memory://", short_side=SHORT, t1_dir=None, on_error="raise",
+                        allow_empty=True)
     i = ds.manifest.paths.index(cases[case])
     with pytest.raises(DatasetError) as ei:
         ds[i]
@@ -189,7 +191,7 @@ def test_store_reads_are_chunked_by_bytes_inside_the_store(folder: str) -> None:
         "counting", lambda spec: _CountingStore(spec.url, fetch_bytes=spec.option("fetch_bytes")),
         options={"fetch_bytes": OptionSpec("bytes")}))
     # ~9 KB expected per 48-px record -> 20 KB per round trip = 2 keys per read
-    ds = CachedImageNet(folder, "counting://t?fetch_bytes=20000", short_side=SHORT, t1_dir=None)
+    ds = CachedImageNet(folder, cache="counting://t?fetch_bytes=20000", short_side=SHORT, t1_dir=None)
     ds.__getitems__(list(range(6)))  # cold: writes the records
     _CountingStore.calls.clear()
     out = ds.__getitems__(list(range(6)))
@@ -200,7 +202,8 @@ def test_store_reads_are_chunked_by_bytes_inside_the_store(folder: str) -> None:
 def test_jpeg_encoded_variant_serves_the_same_pixels_cold_and_warm(folder: str) -> None:
     from datacache.config import Variant
 
-    ds = CachedImageNet(folder, "memory://", variant=Variant(short_side=SHORT, encoding="jpeg"), t1_dir=None)
+    ds = CachedImageNet(folder, cache="memory://", variant=Variant(short_side=SHORT, encoding="jpeg"),
+                        t1_dir=None)
     cold = ds.__getitems__([0, 1])
     warm = ds.__getitems__([0, 1])
     assert ds.stats()["hits"] == 2 and ds.stats()["decoded"] == 2

@@ -34,8 +34,8 @@ from datacache.devtools.redis_local import free_port, start_server
 from tests.redis_utils import needs_redis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCUMENTED_CAP = 64  # README: "at most 64 connections at once"
-DOCUMENTED_DEADLINE_S = 10.0  # README: "the whole request within 10 s"
+DOCUMENTED_CAP = 64  # docs/cluster.md: "at most 64 connections at once"
+DOCUMENTED_DEADLINE_S = 10.0  # docs/cluster.md: "within 10 s in all"
 SLOW_CLIENTS = 1000
 
 

@@ -77,7 +77,8 @@ def test_dev_only_tooling_stays_out_of_the_production_import_path() -> None:
 import sys
 import datacache, datacache.cli, client.dataset, client.crop, client.augment
 import cache_daemon.service, cache_daemon.http, cache_daemon.__main__, trainer.run, trainer.cli
-dev = ("datacache.devtools.slowfs", "datacache.devtools.synth", "datacache.devtools.redis_local", "bench")
+dev = ("datacache.devtools.slowfs", "datacache.devtools.synth", "datacache.devtools.redis_local",
+       "datacache.devtools.torchvision_shim", "torchvision", "bench")
 print(",".join(m for m in dev if m in sys.modules))
 import fsspec
 fs = fsspec.filesystem("slowfile", latency_ms=0)

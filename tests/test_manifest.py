@@ -378,7 +378,7 @@ def test_file_list_entries_that_escape_are_refused_with_their_line(imagefolder_f
         msg = str(ei.value)
         assert "line 5:" in msg and why in msg and "zz_mark" not in msg, (entry, msg)
         with pytest.raises(ManifestError, match="line 5:"):
-            CachedImageNet(lst, f"lmdb://{tmp_path}/lmdb", short_side=16, t1_dir=None)
+            CachedImageNet(lst, cache=f"lmdb://{tmp_path}/lmdb", short_side=16, t1_dir=None)
     with open(lst, "w", newline="") as f:
         f.write(newline.join([*head, "c000/00001.JPEG,0"]))
     assert list(Manifest.build(lst).paths) == ["c000/a..b.JPEG", "c000/00001.JPEG"]

@@ -154,7 +154,7 @@ def test_cached_imagenet_outputs_never_show_file_bytes(tmp_path, caplog) -> None
     files = write_dataset(root)
     cache_dir = tmp_path / "lmdb"
     caplog.set_level(logging.DEBUG)
-    ds = CachedImageNet(root, f"lmdb://{cache_dir}", short_side=16, t1_dir=None)
+    ds = CachedImageNet(root, cache=f"lmdb://{cache_dir}", short_side=16, t1_dir=None)
     ds.__getitems__(list(range(len(ds))))
     q = ds.quarantined
     assert set(q) == set(files) and all(r.startswith("cannot decode") for r in q.values())
@@ -164,7 +164,7 @@ def test_cached_imagenet_outputs_never_show_file_bytes(tmp_path, caplog) -> None
     values = [bytes(v).decode("latin-1") for v in stored if v is not None]
     for text in (json.dumps(q), st, caplog.text, *values):
         assert not _leaks(text), text
-    ds2 = CachedImageNet(root, f"lmdb://{cache_dir}", short_side=16, t1_dir=None, on_error="raise")
+    ds2 = CachedImageNet(root, cache=f"lmdb://{cache_dir}", short_side=16, t1_dir=None, on_error="raise")
     for i, rel in enumerate(ds2.manifest.paths):
         if rel in files:
             with pytest.raises(DatasetError) as ei:

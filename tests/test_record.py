@@ -110,7 +110,24 @@ def test_format_1_records_are_misses(pixels: np.ndarray) -> None:
     hdr = msgpack.packb({"v": 1, "h": 8, "w": 8, "c": 3, "dtype": "uint8", "label": 2, "enc": "raw",
                          "n": len(payload), "xxh3": x.intdigest()}, use_bin_type=True)
     old = len(hdr).to_bytes(4, "little") + hdr + payload
-    assert FORMAT_VERSION == 3 and decode_record(old, K) is None
+    assert FORMAT_VERSION == 4 and decode_record(old, K) is None
+
+
+def test_format_3_records_are_misses(pixels: np.ndarray) -> None:
+    """Format 3 pixels were sized by rounding the long side and DCT-scaled right down to the target;
+    format 4 follows torchvision's Resize geometry: a valid format-3 record (its checksum right) is a
+    miss, rewritten with the new pixels."""
+    from tests.test_record_fuzz import _xxh3
+
+    px = np.ascontiguousarray(pixels[:8, :8])
+    payload = px.tobytes()
+    digest = _xxh3(K, 3, 8, 8, 3, 2, "raw", len(payload), payload)
+    hdr = msgpack.packb({"v": 3, "h": 8, "w": 8, "c": 3, "dtype": "uint8", "label": 2, "enc": "raw",
+                         "n": len(payload), "xxh3": digest}, use_bin_type=True)
+    v3 = len(hdr).to_bytes(4, "little") + hdr + payload
+    assert decode_record(v3, K) is None
+    same = encode_record(px, 2, key=K)  # the same sample in format 4 is a hit
+    assert decode_record(same, K) is not None
 
 
 def test_records_are_rgb_and_fit_their_variant(pixels: np.ndarray) -> None:

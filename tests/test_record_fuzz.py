@@ -31,7 +31,8 @@ FIELDS = ("v", "h", "w", "c", "dtype", "label", "enc", "n", "xxh3")
 
 
 def _xxh3(key: bytes, v: int, h: int, w: int, c: int, label: int, enc: str, n: int, payload: bytes) -> int:
-    """The format's unkeyed checksum, restated from the README (what anyone with write access can compute)."""
+    """The format's unkeyed checksum, restated from docs/using-the-cache.md (what anyone with write access
+    can compute)."""
     x = xxhash.xxh3_64()
     x.update(b"%d:" % len(key))
     x.update(key)
@@ -295,7 +296,7 @@ def test_forged_records_in_redis_are_misses_and_repaired(redis_url: str, redis_s
     from client.dataset import CachedImageNet
 
     root = imagefolder_factory(classes=2, per_class=2, size=(60, 45))
-    ds = CachedImageNet(root, redis_url, short_side=16, t1_dir=None, record_key_file="")
+    ds = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file="")
     r = redis.Redis(port=redis_server.port)
     lab = [int(x) for x in ds.manifest.labels]
     r.set(ds.key(0), forge(ds.key(0), b"\x00", h=1, w=1, c=1, label=lab[0]))
@@ -313,6 +314,6 @@ def test_forged_records_in_redis_are_misses_and_repaired(redis_url: str, redis_s
     for i in range(4):  # repaired: a valid record of the variant for its own key
         got = decode_record(r.get(ds.key(i)), ds.key(i), ds.variant)
         assert got is not None and got[1] == lab[i]
-    ds2 = CachedImageNet(root, redis_url, short_side=16, t1_dir=None, record_key_file="")
+    ds2 = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file="")
     ds2.__getitems__([0, 1, 2, 3])
     assert ds2.stats()["decoded"] == 0 and ds2.stats()["hits"] == 4

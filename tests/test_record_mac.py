@@ -1,8 +1,9 @@
 """The optional record key (issue 22, item 4): a keyed MAC on records and quarantine entries.
 
 Key files (clear errors naming the file, never its content; a warning when others may read it), the MAC
-itself (restated here from the README as the independent reference: BLAKE2b keyed with a key derived from
-the file), what keyed and unkeyed readers accept, the key kept out of reprs and pickles, and -- against a
+itself (restated here from docs/using-the-cache.md as the independent reference: BLAKE2b keyed with a key
+derived from the file), what keyed and unkeyed readers accept, the key kept out of reprs and pickles,
+and -- against a
 real redis-server -- unkeyed, wrongly keyed and forged values written with the trainers' credential being
 misses that are repaired, forged quarantine entries not skipping good samples, and a real daemon filling
 Redis with the key for CachedImageNet.
@@ -45,8 +46,8 @@ def key_file(path, material: str = MATERIAL_A, mode: int = 0o600) -> str:
 
 
 def reference_mac(material: str, key: bytes, hdr: dict, payload: bytes) -> bytes:
-    """README: BLAKE2b-128 keyed with BLAKE2b-256(material, person "dc-record-key"), personalised
-    "dc-record-v3", over len(key):key, "v:h:w:c:uint8:label:enc:n:" and the payload."""
+    """docs/using-the-cache.md: BLAKE2b-128 keyed with BLAKE2b-256(material, person "dc-record-key"),
+    personalised "dc-record-v3", over len(key):key, "v:h:w:c:uint8:label:enc:n:" and the payload."""
     k = hashlib.blake2b(material.encode(), digest_size=32, person=b"dc-record-key").digest()
     m = hashlib.blake2b(key=k, digest_size=16, person=b"dc-record-v3")
     m.update(b"%d:" % len(key) + key)
@@ -118,7 +119,7 @@ def test_key_bytes_stay_out_of_repr_and_pickles(tmp_path, small_imagefolder) -> 
     derived = hashlib.blake2b(MATERIAL_A.encode(), digest_size=32, person=b"dc-record-key").digest()
     for text in (repr(rk), str(rk)):
         assert MATERIAL_A not in text and derived.hex() not in text and path in text
-    ds = CachedImageNet(small_imagefolder, f"lmdb://{tmp_path}/c", short_side=16, t1_dir=None,
+    ds = CachedImageNet(small_imagefolder, cache=f"lmdb://{tmp_path}/c", short_side=16, t1_dir=None,
                         record_key_file=path)
     for obj in (rk, ds.reader, ds):
         blob = pickle.dumps(obj)
@@ -226,7 +227,7 @@ def test_unkeyed_and_wrongly_keyed_records_in_redis_are_misses_and_repaired(tmp_
 
     root = imagefolder_factory(classes=2, per_class=2, size=(60, 45))
     path = key_file(tmp_path / "k")
-    ds = CachedImageNet(root, redis_url, short_side=16, t1_dir=None, record_key_file=path)
+    ds = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file=path)
     other = load_record_key(key_file(tmp_path / "o", MATERIAL_B))
     r = redis.Redis(port=redis_server.port)
     lab = [int(x) for x in ds.manifest.labels]
@@ -247,7 +248,7 @@ def test_unkeyed_and_wrongly_keyed_records_in_redis_are_misses_and_repaired(tmp_
         value = r.get(ds.key(i))
         assert decode_record(value, ds.key(i), ds.variant, record_key=rk) is not None
         assert decode_record(value, ds.key(i), ds.variant) is None
-    ds2 = CachedImageNet(root, redis_url, short_side=16, t1_dir=None, record_key_file=path)
+    ds2 = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file=path)
     ds2.__getitems__([0, 1, 2, 3])
     assert ds2.stats()["decoded"] == 0 and ds2.stats()["hits"] == 4
 
@@ -268,7 +269,7 @@ def test_forged_quarantine_entries_do_not_skip_good_samples(tmp_path, redis_url,
         f.write(b"\xff\xd8\xff\xe0" + b"\x13" * 500)  # complete bytes, undecodable: remembered
     path = key_file(tmp_path / "k")
     monkeypatch.setenv("DATACACHE_RECORD_KEY_FILE", path)  # the default of CachedImageNet and warm
-    ds = CachedImageNet(root, redis_url, short_side=16, t1_dir=None)
+    ds = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None)
     assert ds.reader.record_key == load_record_key(path)
     other = load_record_key(key_file(tmp_path / "o", MATERIAL_B))
     r = redis.Redis(port=redis_server.port)
@@ -293,7 +294,7 @@ def test_forged_quarantine_entries_do_not_skip_good_samples(tmp_path, redis_url,
     entry = r.get(ds.reader.qkey(bad))  # replaced: a real, keyed verdict
     assert ds.reader.parse_known_bad(bad, entry) is not None and b"forged" not in entry
     # a client with no record key (the environment's default is off here) finds nothing valid either
-    ds_none = CachedImageNet(root, redis_url, short_side=16, t1_dir=None, record_key_file="")
+    ds_none = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file="")
     assert ds_none.reader.record_key is None and ds_none.reader.parse_known_bad(bad, entry) is None
 
 
@@ -309,7 +310,7 @@ def test_wait_warm_does_not_count_forged_quarantine_entries(tmp_path, redis_url,
 
     root = imagefolder_factory(classes=2, per_class=3, size=(60, 45))
     monkeypatch.setenv("DATACACHE_RECORD_KEY_FILE", key_file(tmp_path / "k"))
-    ds = CachedImageNet(root, redis_url, short_side=16, t1_dir=None)
+    ds = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None)
     reader, man, r = ds.reader, ds.manifest, redis.Redis(port=redis_server.port)
     for i in range(len(ds)):  # nothing cached; every sample "quarantined" by an unkeyed forgery
         r.set(reader.qkey(i), quarantine_value(man.paths[i], man.identity(i), "cannot decode: forged"))
@@ -347,7 +348,7 @@ def test_daemon_fills_redis_with_keyed_records_for_cached_imagenet(tmp_path, red
     text = log.read_text()
     assert MATERIAL_A not in text
     rk = load_record_key(path)
-    ds = CachedImageNet(root, redis_url, short_side=16, t1_dir=None, record_key_file=path)
+    ds = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file=path)
     r = redis.Redis(port=redis_server.port)
     keys = [k for k in r.scan_iter("dc:*")]
     assert len(keys) == len(ds) - 1
@@ -364,7 +365,7 @@ def test_daemon_fills_redis_with_keyed_records_for_cached_imagenet(tmp_path, red
     assert st["decoded"] == 0 and st["t2"]["known_bad"] == 1 and st["substituted"] == 1
     assert list(ds.quarantined) == ["c001/zz-bad.JPEG"] and len(out) == len(ds)
     # a process with another key decodes (misses) instead of trusting the daemon's records
-    other = CachedImageNet(root, redis_url, short_side=16, t1_dir=None,
+    other = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None,
                            record_key_file=key_file(tmp_path / "o", MATERIAL_B))
     other.__getitems__([0])
     assert other.stats()["decoded"] == 1 and other.stats()["hits"] == 0
@@ -381,7 +382,7 @@ def test_cli_and_trainer_take_a_record_key_file(tmp_path, small_imagefolder, mon
     cache = f"lmdb://{tmp_path}/c"
     assert main(["warm", small_imagefolder, "--cache", cache, "--short-side", "16", "--workers", "1",
                  "--no-progress", "--t1-dir", "none", "--record-key-file", path]) == 0
-    keyed = CachedImageNet(small_imagefolder, cache, short_side=16, t1_dir=None, record_key_file=path)
+    keyed = CachedImageNet(small_imagefolder, cache=cache, short_side=16, t1_dir=None, record_key_file=path)
     keyed.__getitems__(list(range(len(keyed))))
     assert keyed.stats()["decoded"] == 0  # warm's pool workers wrote MAC'd records
     seen: list = []
@@ -437,7 +438,7 @@ def test_spawned_dataloader_workers_read_the_key_file_themselves(tmp_path, small
 
     path = key_file(tmp_path / "k")
     cache = f"lmdb://{tmp_path}/c"
-    ds = CachedImageNet(small_imagefolder, cache, short_side=16, t1_dir=None, record_key_file=path)
+    ds = CachedImageNet(small_imagefolder, cache=cache, short_side=16, t1_dir=None, record_key_file=path)
     half = len(ds) // 2
     ds.__getitems__(list(range(half)))  # the parent fills the first half
     loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="spawn",
@@ -445,7 +446,7 @@ def test_spawned_dataloader_workers_read_the_key_file_themselves(tmp_path, small
     assert sum(len(b) for b in loader) == len(ds)
     st = ds.stats()  # the worker's counters: hits for the parent's half, decodes (keyed writes) for the rest
     assert st["processes"] >= 1 and st["decoded"] == len(ds) and st["hits"] == len(ds) - half
-    again = CachedImageNet(small_imagefolder, cache, short_side=16, t1_dir=None, record_key_file=path)
+    again = CachedImageNet(small_imagefolder, cache=cache, short_side=16, t1_dir=None, record_key_file=path)
     again.__getitems__(list(range(len(again))))
     assert again.stats()["decoded"] == 0
 

@@ -30,7 +30,7 @@ def _as_list(batch: list) -> list:
 
 def _reference(ds: CachedImageNet, i: int) -> torch.Tensor:
     """A direct decode of the file, independent of every cache."""
-    with open(os.path.join(ds.root[len("file://"):], ds.manifest.paths[i]), "rb") as f:
+    with open(os.path.join(ds.manifest.root[len("file://"):], ds.manifest.paths[i]), "rb") as f:
         return torch.from_numpy(decode_image(f.read(), ds.variant)).permute(2, 0, 1)
 
 
@@ -92,7 +92,7 @@ def test_frozen_cluster_master_costs_no_per_batch_timeout(fresh_cluster, imagefo
     # a reply timeout well under the epoch's length, so "< 3x normal" tells one timeout per worker
     # (fine) from one per batch (48 batches x 2 GETs x 0.1 s, ~20x normal here)
     url = f"{fresh_cluster.url}?socket_timeout=0.1&connect_timeout=0.1"
-    ds = CachedImageNet(root, url, short_side=32, t1_dir=None)
+    ds = CachedImageNet(root, cache=url, short_side=32, t1_dir=None)
     n = len(ds)
     store = ds.store.tiers[0]
     owners = store.master_of(ds.reader.keys(range(n)))

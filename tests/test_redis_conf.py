@@ -239,13 +239,13 @@ def test_trainer_role_reads_writes_back_quarantines_and_waits_warm(roles_cluster
     synth.make_imagefolder(src, classes=2, per_class=5, size=(96, 80), seed=3)
     (tmp_path / "ds" / "c000" / "bad.JPEG").write_bytes(b"not a jpeg at all")  # quarantined (dcq:)
     url = rc.url(TRAINER)
-    ds = CachedImageNet(src, url, short_side=32, t1_dir=None)  # PING / CLUSTER SLOTS at construction
+    ds = CachedImageNet(src, cache=url, short_side=32, t1_dir=None)  # PING / CLUSTER SLOTS at construction
     n = len(ds)
     assert len(ds.__getitems__(list(range(n)))) == n  # misses: decoded, written back (SET NX on dc:*)
     assert ds.flush(timeout=30) and ds.quarantined  # the bad file: remembered under dcq:*
     st = ds.stats()
     assert st["decoded"] >= n - 1 and ds.store.counters()["write_errors"] == 0, st
-    again = CachedImageNet(src, url, short_side=32, t1_dir=None)
+    again = CachedImageNet(src, cache=url, short_side=32, t1_dir=None)
     again.__getitems__(list(range(n)))
     st = again.stats()
     assert st["hits"] >= n - 1 and st["decoded"] == 0, st  # GET pipelines; the bad file known (dcq:*)

@@ -17,14 +17,14 @@ def test_cluster_url_on_a_standalone_server_is_a_config_error(redis_server, smal
     url = f"redis+cluster://{redis_server.addr}"
     pattern = r"not in cluster mode.*redis://host:port.*cluster-enabled yes"
     with pytest.raises(ConfigError, match=pattern) as ei:
-        CachedImageNet(small_imagefolder, url, short_side=32, t1_dir=None)
+        CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
     assert "\n" not in str(ei.value)
 
 
 def test_cluster_url_on_a_real_cluster_is_accepted(cluster_url: str, small_imagefolder: str) -> None:
     from client.dataset import CachedImageNet
 
-    ds = CachedImageNet(small_imagefolder, cluster_url, short_side=32, t1_dir=None)
+    ds = CachedImageNet(small_imagefolder, cache=cluster_url, short_side=32, t1_dir=None)
     assert ds[0][1] == ds[0][1]
 
 

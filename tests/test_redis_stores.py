@@ -101,10 +101,10 @@ def test_wrong_password_or_acl_user_is_a_clear_error_at_open(tmp_path, small_ima
         for bad in (f"redis://trainer:wrong@{srv.addr}", f"redis://nobody:s3cret@{srv.addr}",
                     f"redis://{srv.addr}"):
             with pytest.raises(ConfigError, match=r"(?s)Wrong password or ACL user.*user:password@") as ei:
-                CachedImageNet(small_imagefolder, bad, short_side=32, t1_dir=None)
+                CachedImageNet(small_imagefolder, cache=bad, short_side=32, t1_dir=None)
             assert "wrong" not in str(ei.value) and "s3cret" not in str(ei.value)  # never echoed
         good = f"redis://trainer:s3cret@{srv.addr}/0"
-        ds = CachedImageNet(small_imagefolder, good, short_side=32, t1_dir=None)
+        ds = CachedImageNet(small_imagefolder, cache=good, short_side=32, t1_dir=None)
         assert "s3cret" not in repr(ds) and "trainer:***@" in ds.cache_url
         _img, label = ds[0]
         assert ds.stats()["decoded"] == 1 and ds[0][1] == label and ds.stats()["hits"] == 1
@@ -118,7 +118,7 @@ def test_unreachable_server_warns_at_open_and_serves_from_the_source(small_image
 
     with caplog.at_level(logging.WARNING):
         url = f"redis://127.0.0.1:{free_port()}/0"
-        ds = CachedImageNet(small_imagefolder, url, short_side=32, t1_dir=None)
+        ds = CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
     assert "not reachable now" in caplog.text
     assert len(ds.__getitems__(list(range(6)))) == 6
     st = ds.stats()
@@ -139,7 +139,7 @@ def test_poisoned_value_is_a_miss_refilled_and_never_unpickled(redis_url: str, s
                                                                tmp_path) -> None:
     from client.dataset import CachedImageNet
 
-    ds = CachedImageNet(small_imagefolder, redis_url, short_side=32, t1_dir=None)
+    ds = CachedImageNet(small_imagefolder, cache=redis_url, short_side=32, t1_dir=None)
     _Bomb.path = str(tmp_path / "unpickled")
     store = ds.store.tiers[0]  # the Redis tier itself (synchronous writes)
     store.put_many([(ds.key(0), pickle.dumps(_Bomb())), (ds.key(1), os.urandom(5000))])
@@ -165,7 +165,7 @@ def test_maxmemory_below_the_dataset(tmp_path, imagefolder_factory, policy: str,
     root = imagefolder_factory(classes=3, per_class=30, size=(213, 160))
     srv = start_server(str(tmp_path / "mm"), maxmemory="4mb", policy=policy)
     try:
-        ds = CachedImageNet(root, f"redis://{srv.addr}/0", short_side=160, t1_dir=None)
+        ds = CachedImageNet(root, cache=f"redis://{srv.addr}/0", short_side=160, t1_dir=None)
         with caplog.at_level(logging.WARNING):
             for _ in range(2):
                 for s in range(0, len(ds), 8):
@@ -217,7 +217,7 @@ def test_rediss_tls_end_to_end(tmp_path, small_imagefolder: str) -> None:
     srv = RedisServer(port, str(d / "run"), args).start()
     try:
         url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={d / 'ca.pem'}"
-        ds = CachedImageNet(small_imagefolder, url, short_side=32, t1_dir=None)
+        ds = CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
         first = ds.__getitems__(list(range(8)))
         assert ds.flush(10) and ds.stats()["decoded"] == 8
         again = ds.__getitems__(list(range(8)))
@@ -225,7 +225,7 @@ def test_rediss_tls_end_to_end(tmp_path, small_imagefolder: str) -> None:
         assert int(cli(port, "dbsize")) == 8  # the same server, written over TLS
         # a client that does not trust the server's CA is refused: misses, never a crash
         untrusted = f"rediss://127.0.0.1:{tls_port}/0"
-        bad = CachedImageNet(small_imagefolder, untrusted, short_side=32, t1_dir=None)
+        bad = CachedImageNet(small_imagefolder, cache=untrusted, short_side=32, t1_dir=None)
         assert len(bad.__getitems__([0, 1])) == 2 and bad.stats()["t2"]["unavailable"] >= 2
     finally:
         srv.stop()

@@ -108,7 +108,7 @@ def test_tier_counters_reach_cached_imagenet_stats(small_imagefolder: str, tmp_p
     from client.dataset import CachedImageNet
 
     url = "::".join([f"lmdb://{tmp_path}/l{i}" for i in range(n)])
-    ds = CachedImageNet(small_imagefolder, url, short_side=32, t1_dir=None)
+    ds = CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
     ds.__getitems__(list(range(8)))
     ds.__getitems__(list(range(8)))
     st = ds.stats()

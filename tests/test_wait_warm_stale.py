@@ -18,7 +18,7 @@ def _fill(ds: CachedImageNet) -> None:
 
 def test_master_restarted_empty_makes_wait_warm_wait(fresh_cluster, imagefolder_factory) -> None:
     root = imagefolder_factory(classes=3, per_class=20, size=(64, 48))
-    ds = CachedImageNet(root, fresh_cluster.url, short_side=32, t1_dir=None)
+    ds = CachedImageNet(root, cache=fresh_cluster.url, short_side=32, t1_dir=None)
     n = len(ds)
     store = ds.store.tiers[0]
     fp, tag = ds.manifest.fingerprint, ds.variant.tag()
@@ -36,6 +36,6 @@ def test_master_restarted_empty_makes_wait_warm_wait(fresh_cluster, imagefolder_
     with pytest.raises(TimeoutError, match="sampled keys are not in the cache"):
         ds.wait_warm(timeout=1.5, poll=0.1)
 
-    _fill(CachedImageNet(root, fresh_cluster.url, short_side=32, t1_dir=None))  # a warm run refills
+    _fill(CachedImageNet(root, cache=fresh_cluster.url, short_side=32, t1_dir=None))  # a warm run refills
     report = ds.wait_warm(timeout=10, poll=0.1)
     assert report["full"] and report["verified"]["missing"] == 0 and report["oldest_report_s"] is not None

@@ -451,7 +451,8 @@ def _write_state(state: str, url: str, pids: list[int], ports: list[int], own: d
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m datacache.devtools.redis_local up|down|status|url``: a local N-master cluster for the
-    README demo; ``url --role ROLE`` prints the cluster's URL for that role (password read from its file)."""
+    local-cluster demo (docs/cluster.md); ``url --role ROLE`` prints the cluster's URL for that role
+    (password read from its file)."""
     ap = argparse.ArgumentParser(prog="python -m datacache.devtools.redis_local",
                                  description="Start (up) or stop (down) a local Redis Cluster of real "
                                              "redis-server processes on 127.0.0.1 (no persistence). `up` "

@@ -27,7 +27,7 @@ Two paths, one result (the same indices, tested):
   only, over the bits in which its ends differ (a wrong ``t_hi`` just widens the band to every
   candidate). Fewer than ``k`` candidates means ``t_lo`` was wrong: the device path then runs on
   the whole vector (``path == "fallback"``). Correctness
-  never depends on the sample, only speed (``bench/topk.py``; numbers in the README).
+  never depends on the sample, only speed (``bench/topk.py``; numbers in docs/benchmarks.md).
 """
 
 from __future__ import annotations
