@@ -39,14 +39,7 @@ def markdown_files() -> list[Path]:
 def prose_lines(text: str) -> list[tuple[int, str]]:
     """(line number, line) outside fenced code blocks, with inline code and HTML comments blanked."""
     text = HTML_COMMENT.sub(lambda m: "\n" * m.group(0).count("\n"), text)
-    out, fenced = [], False
-    for no, line in enumerate(text.split("\n"), 1):
-        if FENCE.match(line):
-            fenced = not fenced
-            continue
-        if not fenced:
-            out.append((no, INLINE_CODE.sub("", line)))
-    return out
+    return [(no, INLINE_CODE.sub("", line)) for no, line in prose_lines_raw(text)]
 
 
 def github_slug(heading: str) -> str:

@@ -39,8 +39,8 @@ def _admin_cli(d, port: int, *args: str) -> str:
     return out.stdout + out.stderr
 
 
-def _procs_showing(secrets: list[str]) -> list[int]:
-    """Pids whose command line holds one of ``secrets`` (never printed: only the pids are returned)."""
+def _pids_whose_cmdline_holds(needles: set[bytes]) -> list[int]:
+    """Pids whose ``/proc/<pid>/cmdline`` contains one of ``needles`` (processes that vanish are skipped)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -48,9 +48,14 @@ def _procs_showing(secrets: list[str]) -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if any(s.encode() in cmd for s in secrets):
+        if any(n in cmd for n in needles):
             found.append(int(pid))
     return found
+
+
+def _procs_showing(secrets: list[str]) -> list[int]:
+    """Pids whose command line holds one of ``secrets`` (never printed: only the pids are returned)."""
+    return _pids_whose_cmdline_holds({s.encode() for s in secrets})
 
 
 def _alive(pid: int) -> bool:
@@ -238,15 +243,7 @@ def _daemons_of(env: dict[str, str]) -> list[int]:
     found = []
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if any(p in cmd for p in ports) and _alive(int(pid)):
-                found.append(int(pid))
+        found = [pid for pid in _pids_whose_cmdline_holds(ports) if _alive(pid)]
         if not found:
             break
         time.sleep(0.2)  # killed children may take a moment to be reaped
