@@ -61,6 +61,18 @@ ensure_redis() {
   fi
 }
 
+ensure_fashion() {
+  # Zalando's Fashion-MNIST (MIT, 30 MB) for the real-data tests; the tests skip with the command where
+  # neither root nor sudo can install it
+  if [ ! -d /usr/share/datasets/fashion-mnist ]; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; elif command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; else return 0; fi
+    echo "[quickstart] installing dataset-fashion-mnist (apt)" >&2
+    $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 ||
+      { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null; } ||
+      echo "[quickstart] could not install dataset-fashion-mnist; its tests will skip" >&2
+  fi
+}
+
 case "$cmd" in
   python)
     ensure_python
@@ -76,6 +88,7 @@ case "$cmd" in
     ensure_python
     ensure_torch
     ensure_redis
+    ensure_fashion
     # EXTRAS=dali adds DALI's CPU decoder tests (nvidia-dali-cuda120, ~1 GB installed; CI sets it)
     "$PY" -m pip install -q -e ".[test${EXTRAS:+,$EXTRAS}]"
     "$PY" -m ruff check .

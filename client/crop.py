@@ -305,6 +305,73 @@ class CropCollate(SeededCollate):
         return _batch(images, windows, None, flips, samples, 0, request, self.pool)  # box = the whole window
 
 
+def draw_pad_crops(images: Sequence[Tensor], generator: torch.Generator | None, size: int, padding: int,
+                   flip_p: float) -> tuple[list[tuple[int, int]], list[bool]]:
+    """The random part of ``RandomCrop(size, padding)`` + flip: ``(tops_lefts, flips)``.
+
+    ``(i, j)`` is the crop's corner in the zero-padded image (torchvision's ``RandomCrop.get_params``
+    on the padded ``(H + 2p) x (W + 2p)`` image: ``i`` uniform in ``[0, H + 2p - size]``, ``j`` in
+    ``[0, W + 2p - size]``), drawn for the whole batch at once (``2 * B`` draws, then ``B`` for the
+    flips), so the boxes are torchvision's while the draws are not its per-sample sequence."""
+    n = len(images)
+    hi = torch.tensor([int(img.shape[1]) + 2 * padding - size + 1 for img in images], dtype=torch.float64)
+    wi = torch.tensor([int(img.shape[2]) + 2 * padding - size + 1 for img in images], dtype=torch.float64)
+    if bool((hi < 1).any()) or bool((wi < 1).any()):
+        k = int(torch.nonzero((hi < 1) | (wi < 1))[0])
+        raise ValueError(f"image {k} ({tuple(images[k].shape[1:])}) padded by {padding} is smaller than the "
+                         f"{size}-px crop: lower the resolution or raise --pad")
+    u = torch.rand(2, n, generator=generator, dtype=torch.float64)
+    # floor(u * count) is uniform over 0..count-1; min() guards u * count rounding up to count
+    tops = torch.minimum((u[0] * hi).floor(), hi - 1).to(torch.int64).tolist()
+    lefts = torch.minimum((u[1] * wi).floor(), wi - 1).to(torch.int64).tolist()
+    flips = (torch.rand(n, generator=generator) < flip_p).tolist()
+    return list(zip(tops, lefts)), flips
+
+
+def pad_crop_geometry(h: int, w: int, top: int, left: int, size: int, padding: int) -> tuple[
+        tuple[int, int, int, int], tuple[float, float, float, float]]:
+    """Window and box of the ``size x size`` crop at ``(top, left)`` of the image zero-padded by
+    ``padding``: the window is the part of the crop that lies on the image (``(top, left, wh, ww)``
+    in image pixels), the box the whole crop relative to that window (``y0``/``x0`` <= 0 where the
+    crop starts in the padding; extent ``size``: no resize). The device's resampling gives every
+    output pixel outside the window weight 0, i.e. the zero padding."""
+    out = []
+    for start, n in ((top - padding, h), (left - padding, w)):
+        lo, hi = max(0, start), min(n, start + size)
+        out.append((lo, hi - lo, float(start - lo)))
+    (wt, wh, y0), (wl, ww, x0) = out
+    return (wt, wl, wh, ww), (y0, float(size), x0, float(size))
+
+
+class PadCropCollate(SeededCollate):
+    """Training ``collate_fn`` for small images: torchvision's ``RandomCrop(size, padding=padding)``
+    (zero fill) then ``RandomHorizontalFlip(flip_p)``, windows only.
+
+    The worker cuts the part of each crop that lies on the image (:func:`pad_crop_geometry`); the device
+    places it in a zeroed ``size x size`` output, flips and normalises (:mod:`trainer.device_augment`,
+    a resampling at scale 1: exact copies). Randomness as :class:`~client.augment.SeededCollate`.
+    Returns a :class:`CropBatch` made for ``size``.
+    """
+
+    def __init__(self, size: int, padding: int = 4, **kw: Any) -> None:
+        super().__init__(**kw)
+        if int(size) < 1 or not 0 <= int(padding) < int(size):
+            raise ConfigError(f"pad-crop needs size >= 1 and 0 <= padding < size, got size={size!r}, "
+                              f"padding={padding!r}")
+        self.size = int(size)
+        self.padding = int(padding)
+
+    def __call__(self, data: Any) -> CropBatch:
+        request, samples, generator = self.unpack(data)
+        images = [s[0] for s in samples]
+        check_images(images, "PadCropCollate")
+        corners, flips = draw_pad_crops(images, generator, self.size, self.padding, self.flip_p)
+        geoms = [pad_crop_geometry(int(img.shape[1]), int(img.shape[2]), i, j, self.size, self.padding)
+                 for img, (i, j) in zip(images, corners)]
+        return _batch(images, [g[0] for g in geoms], [g[1] for g in geoms], flips, samples, self.size,
+                      request, self.pool)
+
+
 def resized_size(h: int, w: int, short: int) -> tuple[int, int]:
     """torchvision ``Resize(short)``'s output ``(h, w)``: the short side becomes ``short``, the long
     side ``int(short * long / short_in)`` (truncated, as torchvision does)."""

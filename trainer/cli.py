@@ -1,4 +1,4 @@
-"""``python -m trainer`` / ``datacache-train``: train, sweep, and render the digits dataset.
+"""``python -m trainer`` / ``datacache-train``: train, sweep, render the digits and Fashion-MNIST datasets.
 
 Exit codes: 0 ok, 2 usage or configuration error (one line, ``datacache-train: error: ...``), 1 any
 other error. The training flags are generated from :class:`trainer.train_config.TrainConfig`'s fields
@@ -34,6 +34,9 @@ EPILOG = textwrap.dedent("""\
       # CPU: a small ResNet on the digits data set
       datacache-train digits /tmp/digits && datacache-train --recipe digits \\
           --data /tmp/digits/train --val-data /tmp/digits/val --cache lmdb:///tmp/digits-cache --device cpu
+      # CPU: Fashion-MNIST (Debian's dataset-fashion-mnist), 2 nodes x 2 ranks' worth on one machine
+      datacache-train fashion /tmp/fashion && torchrun --nproc-per-node 4 -m trainer --recipe fashion \
+          --data /tmp/fashion/train --val-data /tmp/fashion/val --cache lmdb:///tmp/fashion-cache --device cpu
       # a sweep on one warm cache: runs one after another, each prints its first-epoch data rate
       datacache-train sweep --grid lr=0.1,0.2,0.4 --recipe digits --data /tmp/digits/train ...
     """)
@@ -97,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "and LARS/LAMB/SGD; run under torchrun (or alone: one rank).", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
-    sub = p.add_subparsers(dest="command", metavar="{train,sweep,digits}")
+    sub = p.add_subparsers(dest="command", metavar="{train,sweep,digits,fashion}")
     tr = sub.add_parser("train", help="train one configuration (the default command)",
                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     add_train_flags(tr)
@@ -116,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="held-out fraction per class (default 0.2)")
     dg.add_argument("--seed", type=int, default=0, help="seed of the hold-out (default 0)")
     dg.add_argument("--format", choices=("png", "jpeg"), default="png", help="file format (default png)")
+    fa = sub.add_parser("fashion", help="render Zalando's Fashion-MNIST IDX files as train/val ImageFolders",
+                        description="Reads the four IDX files of Fashion-MNIST (Debian's "
+                        "dataset-fashion-mnist package, or --from DIR; gzip or not), checks them, and writes "
+                        "OUT/train/<class>/<i>.png (60,000) and OUT/val/<class>/<i>.png (the official "
+                        "10,000-image test split) atomically; a completed OUT is reused.")
+    fa.add_argument("out", help="output directory (gets train/ and val/)")
+    fa.add_argument("--from", dest="source", default=None, metavar="DIR",
+                    help="directory of the IDX files (default: the Debian package's)")
+    fa.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 
@@ -169,13 +181,22 @@ def _digits(args: argparse.Namespace) -> None:
           f"{split.val}")
 
 
+def _fashion(args: argparse.Namespace) -> None:
+    from trainer.fashion import DEFAULT_DIR, render
+
+    split = render(args.out, source=args.source or DEFAULT_DIR, progress=args.progress)
+    how = "reused the completed tree" if split.reused else "wrote"
+    print(f"{how}: {split.n_train} training images in {split.train}, {split.n_val} test images in "
+          f"{split.val}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     lead = 0
     while lead < len(argv) and argv[lead] in ("-v", "--verbose"):
         lead += 1
     rest = argv[lead:]
-    if rest and rest[0] not in ("train", "sweep", "digits", "-h", "--help"):
+    if rest and rest[0] not in ("train", "sweep", "digits", "fashion", "-h", "--help"):
         argv = [*argv[:lead], "train", *rest]  # train is the default command
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -188,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     install_scrub_filter()  # URL passwords and secrets read from files masked in every log line
     try:
-        {"train": _train, "sweep": _sweep, "digits": _digits}[args.command](args)
+        {"train": _train, "sweep": _sweep, "digits": _digits, "fashion": _fashion}[args.command](args)
     except ConfigError as e:
         if args.verbose:
             raise

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from client.crop import BatchRequest, CenterCropCollate, CropCollate, TaggedDataset
+from client.crop import BatchRequest, CenterCropCollate, CropCollate, PadCropCollate, TaggedDataset
 from datacache.config import ConfigError
 
 
@@ -152,9 +152,17 @@ def worker_kwargs(workers: int) -> dict[str, Any]:
 
 
 def train_loader(dataset: Any, sampler: DistributedBatchSampler, *, workers: int, seed: int,
-                 crop_scale: float = 0.08, flip: bool = True, pin_memory: bool = False) -> DataLoader:
-    """Persistent-worker loader of :class:`~client.crop.CropBatch`\\ es (crop windows only)."""
-    collate = CropCollate(seed=seed, scale=(crop_scale, 1.0), flip_p=0.5 if flip else 0.0)
+                 crop_scale: float = 0.08, flip: bool = True, pin_memory: bool = False,
+                 pad_crop: tuple[int, int] | None = None) -> DataLoader:
+    """Persistent-worker loader of :class:`~client.crop.CropBatch`\\ es (crop windows only):
+    random-resized-crop windows, or with ``pad_crop=(size, padding)`` torchvision's
+    ``RandomCrop(size, padding)`` windows (:class:`~client.crop.PadCropCollate`)."""
+    flip_p = 0.5 if flip else 0.0
+    collate: CropCollate | PadCropCollate
+    if pad_crop is not None:
+        collate = PadCropCollate(pad_crop[0], pad_crop[1], seed=seed, flip_p=flip_p)
+    else:
+        collate = CropCollate(seed=seed, scale=(crop_scale, 1.0), flip_p=flip_p)
     return DataLoader(TaggedDataset(dataset), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
                       pin_memory=pin_memory, prefetch_factor=4 if workers > 0 else None,
                       **worker_kwargs(workers))

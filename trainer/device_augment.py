@@ -21,8 +21,13 @@ the batch is on:
   GPU it would need a device -> host read of the window sizes and one kernel launch per sample
   (and CUDA's antialiased upsample may not take uint8), so a device batch is refused with one
   line. Boxes must be whole windows (training batches, ``size == 0``).
-* ``"auto"`` (default): ``"interpolate"`` for training batches on the CPU, ``"matmul"``
-  otherwise (CUDA, and fractional validation boxes).
+* ``"place"``: boxes at scale 1 with whole-pixel corners (pad-and-crop batches,
+  :class:`client.crop.PadCropCollate`): each window is copied into its slot of a zeroed uint8
+  batch at the box's offset (numpy views, one copy per sample), flipped in place. No resampling at
+  all; the matmul path gives the same pixels (its weights are exactly 0 and 1 there) at several
+  times the cost on a CPU. CPU batches only, for the same reason as ``"interpolate"``.
+* ``"auto"`` (default): on the CPU ``"interpolate"`` for training batches and ``"place"`` for
+  scale-1 boxes, ``"matmul"`` otherwise (CUDA, and fractional validation boxes).
 
 Normalisation ``(x / 255 - mean) / std`` follows, and the batch leaves in the requested memory
 format (channels_last for convolutions on a GPU). Uint8 batches that are already the output
@@ -39,7 +44,7 @@ from torch import Tensor
 from client.augment import _new_batch, resize_crops
 from client.crop import CropBatch
 
-METHOD_CHOICES = ("auto", "matmul", "interpolate")
+METHOD_CHOICES = ("auto", "matmul", "interpolate", "place")
 MATMUL_GROUPS = 8  # resize_matmul converts the uint8 batch to float in this many groups of samples
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -115,6 +120,38 @@ def resize_interpolate(batch: CropBatch, size: int) -> Tensor:
     return resize_crops(images, boxes, batch.flips.tolist(), size, out=out)
 
 
+def is_placement(batch: CropBatch, size: int) -> bool:
+    """Whether every box of a CPU batch is ``size`` pixels at scale 1 with whole-pixel corners (reads
+    ``meta``: a host read, so CPU batches only)."""
+    if batch.pixels.device.type != "cpu" or batch.size != size:
+        return False
+    b = batch.boxes
+    ext = b.narrow(1, 1, 1), b.narrow(1, 3, 1)
+    starts = b.narrow(1, 0, 1), b.narrow(1, 2, 1)
+    return bool(all((e == size).all() for e in ext) and all((s == s.round()).all() for s in starts))
+
+
+def place_windows(batch: CropBatch, size: int) -> Tensor:
+    """Pad-and-crop batches on the CPU (see ``"place"`` in the module docstring): uint8
+    channels_last ``[B, 3, S, S]``, zero where a box lies outside its window."""
+    if not is_placement(batch, size):
+        raise ValueError(f"DeviceAugment(method='place') needs a CPU batch of {size}-px boxes at scale 1 "
+                         "with whole-pixel corners (pad-and-crop batches); use method='matmul'")
+    out = torch.zeros((len(batch), size, size, 3), dtype=torch.uint8)
+    dst = out.numpy()
+    rows = batch.meta[:, [0, 1, 4, 6, 8]].to(torch.int64).tolist()  # h, w, y0, x0, flip
+    for k, (win, (h, w, y0, x0, flip)) in enumerate(zip(batch.views(), rows)):
+        # output pixel o shows window pixel (y0 + o): negative y0 (a pad-crop box starting in the
+        # padding) leaves the first -y0 rows zero, positive y0 skips the window's first rows
+        (oy, wy, ny), (ox, wx, nx) = ((max(0, -a), max(0, a), min(size - max(0, -a), n - max(0, a)))
+                                      for a, n in ((y0, h), (x0, w)))
+        if ny > 0 and nx > 0:
+            dst[k, oy:oy + ny, ox:ox + nx] = win.numpy()[wy:wy + ny, wx:wx + nx]
+        if flip:
+            dst[k] = dst[k, :, ::-1].copy()
+    return out.permute(0, 3, 1, 2)  # [B, 3, S, S] channels_last view
+
+
 class DeviceAugment:
     """Batches -> normalised model input on the batch's device (see the module docstring).
 
@@ -142,7 +179,9 @@ class DeviceAugment:
         if self.method != "auto":
             return self.method
         cpu = batch.pixels.device.type == "cpu"
-        return "interpolate" if cpu and batch.size == 0 else "matmul"
+        if cpu and batch.size == 0:
+            return "interpolate"
+        return "place" if cpu and is_placement(batch, batch.size) else "matmul"
 
     def _normalise(self, x: Tensor) -> Tensor:
         dev = x.device
@@ -159,8 +198,11 @@ class DeviceAugment:
         if batch.size not in (0, size):
             raise ValueError(f"this batch was cut for output size {batch.size}, not {size} "
                              "(a validation loader is made for one size)")
-        if self.method_for(batch) == "interpolate":
+        method = self.method_for(batch)
+        if method == "interpolate":
             return resize_interpolate(batch, size)
+        if method == "place":
+            return place_windows(batch, size)
         return resize_matmul(batch, size)
 
     def __call__(self, batch: CropBatch | tuple[Tensor, Tensor], size: int) -> tuple[Tensor, Tensor]:

@@ -270,9 +270,11 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         torch.set_rng_state(loaded.train["rng"])
     fmt = torch.channels_last if channels_last(cfg, device) else torch.contiguous_format
     ctx = StepContext(ddp, optimizer, state, amp, nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
-                      DeviceAugment(memory_format=fmt), device, cfg.lr_schedule)
+                      DeviceAugment(*cfg.normalization, memory_format=fmt), device, cfg.lr_schedule)
+    pad_crop = (cfg.resolution_schedule.at(0), cfg.pad) if cfg.augment == "padcrop" else None
     loader = make_loader(data, sampler) if make_loader is not None else train_loader(
         data.train, sampler, workers=cfg.workers, seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip,
+        pad_crop=pad_crop,
         pin_memory=device.type == "cuda")
     logger = MetricsLog(cfg.out, enabled=info.is_main)
     start_epoch, start_step, gstep = 0, 0, 0

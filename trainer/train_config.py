@@ -16,12 +16,19 @@ Recipes (``--recipe NAME``) are partial configs applied before the explicit flag
   The peak LR is a starting point to tune, not the paper's (which it does not state).
 * ``digits`` -- the real-data run on scikit-learn's digits (``python -m trainer digits``):
   a small ResNet (CIFAR stem) at 32 px, no flips (a mirrored digit is another symbol).
+* ``fashion`` -- Zalando's Fashion-MNIST (``python -m trainer fashion``; 60,000 + 10,000 28x28
+  grayscale images): the CIFAR-stem ResNet at width 8 (78,002 parameters; ``--width 16``: 308,826),
+  28 px, torchvision's ``RandomCrop(28, padding=4)`` + horizontal flip (``--augment padcrop``), the
+  dataset's mean/std, label smoothing 0.1, SGD with Nesterov momentum, one warm-up epoch then cosine
+  decay over 20 epochs, global batch 256 (2 nodes x 2 ranks: 64 per rank). The grayscale images
+  are stored and served as 3 equal channels, as ``ImageFolder``'s RGB loader gives them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -36,7 +43,14 @@ OPTIMIZER_CHOICES = ("sgd", "lars", "lamb")
 AMP_CHOICES = ("off", "auto", "fp16", "bf16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 TRISTATE_CHOICES = ("auto", "on", "off")
-RECIPE_CHOICES = ("none", "dawnbench", "digits")
+RECIPE_CHOICES = ("none", "dawnbench", "digits", "fashion")
+AUGMENT_CHOICES = ("rrc", "padcrop")
+IMAGENET_MEAN = "0.485,0.456,0.406"
+IMAGENET_STD = "0.229,0.224,0.225"
+# Fashion-MNIST's training split: pixel mean and standard deviation over all 60,000 x 28 x 28 pixels
+# (0..1 units; tests/test_fashion_recipe.py recomputes them from the IDX file)
+FASHION_MEAN = "0.2860"
+FASHION_STD = "0.3530"
 
 
 def _f(default: Any, help: str, group: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -111,9 +125,18 @@ class TrainConfig:
     fp16_comm: bool = _f(False, "float16 values on the wire", "comm")
     bucket_cap_mb: float = _f(25.0, "DDP bucket (fusion buffer) size in MB", "comm")
     # augmentation
+    augment: str = _f("rrc", "training crop: rrc (RandomResizedCrop to the resolution) or padcrop "
+                      "(torchvision's RandomCrop(resolution, padding=--pad), zero fill: for small images; "
+                      "one resolution)",
+                      "augment", AUGMENT_CHOICES)
+    pad: int = _f(4, "--augment padcrop: zero padding on each side before the random crop", "augment")
     crop_scale: float = _f(0.08, "smallest random-resized-crop area fraction (torchvision: 0.08)", "augment")
     flip: bool = _f(True, "random horizontal flips", "augment")
     val_crop_fraction: float = _f(0.875, "validation: resize to S / fraction, centre-crop S", "augment")
+    mean: str = _f(IMAGENET_MEAN, "per-channel mean subtracted from the 0..1 pixels: 3 values, or 1 for all "
+                   "channels", "augment")
+    std: str = _f(IMAGENET_STD, "per-channel standard deviation the pixels are divided by: 3 values, or 1",
+                  "augment")
     # device and precision
     device: str = _f("auto", "cuda when available, else cpu", "device", DEVICE_CHOICES)
     amp: str = _f("off", "autocast: fp16 (+GradScaler, CUDA only), bf16 (CUDA or CPU), auto (fp16 on CUDA, "
@@ -140,7 +163,7 @@ class TrainConfig:
                 raise ConfigError(f"{f.name}={value!r}; choose one of {', '.join(choices)}")
         positive = ("short_side", "width", "epochs", "lr_ref_batch")
         non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "val_every", "threads",
-                        "keep_checkpoints")
+                        "keep_checkpoints", "pad")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; must be a positive integer")
@@ -163,6 +186,35 @@ class TrainConfig:
                 raise ConfigError(f"local_master={self.local_master!r} is not host:port (e.g. 10.0.0.5:7000)")
         # parse every schedule now: a typo fails at start, on every rank alike
         _ = self.batch_schedule, self.resolution_schedule, self.comm_schedule, self.lr_schedule
+        _ = self.normalization
+        if self.augment == "padcrop":
+            sizes = {v for _, v in self.resolution_schedule.phases}
+            if len(sizes) > 1:
+                raise ConfigError(f"--augment padcrop crops one size; resolution={self.resolution!r} "
+                                  "changes it (use one resolution, or --augment rrc for progressive "
+                                  "resizing)")
+            if self.pad >= min(sizes):
+                raise ConfigError(f"pad={self.pad} must be smaller than the {min(sizes)}-px crop")
+
+    @cached_property
+    def normalization(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """``(mean, std)``, 3 values each (one given value is used for every channel)."""
+        out = []
+        for name in ("mean", "std"):
+            text = getattr(self, name)
+            try:
+                values = [float(v) for v in text.split(",")]
+            except ValueError:
+                values = []
+            if len(values) == 1:
+                values *= 3
+            bad = len(values) != 3 or not all(map(math.isfinite, values))
+            if bad or (name == "std" and min(values) <= 0):
+                raise ConfigError(f"{name}={text!r}: expected 3 comma-separated numbers (or 1 for every "
+                                  f"channel){', all > 0' if name == 'std' else ''}, e.g. "
+                                  f"{IMAGENET_MEAN if name == 'mean' else IMAGENET_STD}")
+            out.append((values[0], values[1], values[2]))
+        return out[0], out[1]
 
     @cached_property
     def batch_schedule(self) -> EpochSchedule[int]:
@@ -240,6 +292,12 @@ RECIPES: dict[str, dict[str, Any]] = {
         epochs=30, batch_size="64", optimizer="sgd", lr=0.1, lr_scaling="none", momentum=0.9,
         weight_decay=5e-4, warmup_epochs=1.0, decay="cosine", label_smoothing=0.1, crop_scale=0.5, flip=False,
         val_crop_fraction=1.0, workers=1),
+    "fashion": dict(
+        model="small_resnet_cifar", width=8, zero_init_residual=False, short_side=28, resolution="28",
+        augment="padcrop", pad=4, flip=True, val_crop_fraction=1.0, mean=FASHION_MEAN, std=FASHION_STD,
+        epochs=20, batch_size="256", optimizer="sgd", lr=0.2, lr_scaling="none", momentum=0.9, nesterov=True,
+        weight_decay=5e-4, warmup_epochs=1.0, warmup_start=0.1, decay="cosine", label_smoothing=0.1,
+        workers=1),
 }
 
 
