@@ -139,8 +139,10 @@ def place_windows(batch: CropBatch, size: int) -> Tensor:
                          "with whole-pixel corners (pad-and-crop batches); use method='matmul'")
     out = torch.zeros((len(batch), size, size, 3), dtype=torch.uint8)
     dst = out.numpy()
-    rows = batch.meta[:, [0, 1, 4, 6, 8]].to(torch.int64).tolist()  # h, w, y0, x0, flip
-    for k, (win, (h, w, y0, x0, flip)) in enumerate(zip(batch.views(), rows)):
+    sizes = batch.windows.tolist()                                                         # (h, w)
+    corners = batch.boxes.index_select(1, torch.tensor([0, 2])).to(torch.int64).tolist()  # (y0, x0)
+    flips = batch.flips.tolist()
+    for k, (win, (h, w), (y0, x0), flip) in enumerate(zip(batch.views(), sizes, corners, flips)):
         # output pixel o shows window pixel (y0 + o): negative y0 (a pad-crop box starting in the
         # padding) leaves the first -y0 rows zero, positive y0 skips the window's first rows
         (oy, wy, ny), (ox, wx, nx) = ((max(0, -a), max(0, a), min(size - max(0, -a), n - max(0, a)))
