@@ -182,3 +182,39 @@ def child_pids(pid: int) -> list[int]:
         except OSError:
             continue
     return kids
+
+
+def run_epochs(out: str) -> list[dict[str, Any]]:
+    """The ``event: epoch`` records of a training run's ``<out>/metrics.jsonl`` (the trainer's format)."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["event"] == "epoch"]
+
+
+def launch_2x2(module: str, args: list[str], log: str, timeout: float = 1800.0) -> None:
+    """``python -m module args`` as a 2-node job on loopback: two ``torchrun --nnodes 2 --nproc-per-node 2``
+    agents (LOCAL_WORLD_SIZE = 2, so intra/inter-node groups are real), logs in ``<log>.node{0,1}.log``;
+    raises on any failure, and kills an agent still running after ``timeout`` seconds."""
+    import subprocess
+    import sys
+
+    from trainer.distenv import free_port
+
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port, "-m", module,
+               *args]
+        with open(f"{log}.node{node}.log", "w") as f:
+            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    if any(codes):
+        raise RuntimeError(f"{module}: torchrun exited with {codes}; see {log}.node*.log")

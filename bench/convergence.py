@@ -34,16 +34,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
-from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
+from bench.common import (
+    RESULTS_DIR,
+    launch_2x2,
+    machine_info,
+    print_machine,
+    run_epochs,
+    save_figure,
+    write_results,
+)
 from client.dataset import CachedImageNet
 from datacache.config import user_cache_dir
 from trainer.digits import render
-from trainer.distenv import free_port
 
 METHODS = {"dense": ["--comm", "allreduce"],
            "topk": ["--comm", "naive_ag", "--selector", "exact"],
@@ -51,28 +56,6 @@ METHODS = {"dense": ["--comm", "allreduce"],
            "hitopk": ["--comm", "hitopk", "--selector", "mstopk"]}
 LARS = ["--comm", "allreduce", "--optimizer", "lars", "--lr", "1.0", "--trust-coefficient", "0.02"]
 PTO = {"lars": [*LARS, "--no-pto"], "pto_lars": [*LARS, "--pto"]}
-
-
-def launch_2x2(args: list[str], log: str, timeout: float = 1800.0) -> None:
-    """Two ``torchrun`` node launchers (2 processes each) on loopback; raises on any failure."""
-    port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-               "-m", "trainer", *args]
-        with open(f"{log}.node{node}.log", "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + timeout
-    codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    if any(codes):
-        raise RuntimeError(f"torchrun exited with {codes}; see {log}.node*.log")
-
-
-def _epochs(out: str) -> list[dict[str, Any]]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["event"] == "epoch"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,9 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         if os.path.exists(os.path.join(out, "metrics.jsonl")):
             os.remove(os.path.join(out, "metrics.jsonl"))
         t = time.perf_counter()
-        launch_2x2([*common, *extra, "--out", out], os.path.join(runs_dir, name))
+        launch_2x2("trainer", [*common, *extra, "--out", out], os.path.join(runs_dir, name))
         results["seconds"][name] = time.perf_counter() - t
-        eps = _epochs(out)
+        eps = run_epochs(out)
         results["curves"][name] = [e["val_top1"] for e in eps]
         methods = sorted({e["comm_method"] for e in eps})
         print(f"{name:>8}: top-1 {100 * eps[-1]['val_top1']:.2f}% after {len(eps)} epochs "
@@ -202,7 +185,7 @@ def sampler_rows(split: Any, base: str, epochs: int | None, quick: bool, machine
             run_job(c, name, ["-m", "trainer", *common, *extra, "--out", out], out, timeout=1800.0,
                     port=29450 + k)
             seconds[name] = time.perf_counter() - t
-            eps = _epochs(out)
+            eps = run_epochs(out)
             curves[name] = [e["val_top1"] for e in eps]
             lb = sum(e.get("local_bytes", 0) for e in eps)
             rb = sum(e.get("remote_bytes", 0) for e in eps)

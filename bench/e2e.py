@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
+from bench.common import RESULTS_DIR, machine_info, print_machine, run_epochs, save_figure, write_results
 
 SIZE = 64
 VARIANTS: dict[str, list[str]] = {
@@ -126,11 +126,6 @@ def run_job(c: Any, name: str, script: list[str], out: str, timeout: float, port
             tail = [ln for ln in f.read().splitlines() if ln.strip()][-3:]
         raise RuntimeError(f"variant {name}: torchrun exit codes {codes} (None: killed after {timeout:g} s); "
                            f"see {out}/node*.log; last lines: {' | '.join(tail)}")
-
-
-def _epochs(out: str) -> list[dict[str, Any]]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["event"] == "epoch"]
 
 
 def summarize(eps: list[dict[str, Any]], link_tx: int) -> dict[str, Any]:
@@ -248,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - t
             after = c.link_counters()
             tx = sum(after[i]["tx_bytes"] - before[i]["tx_bytes"] for i in after)
-            results[name] = {**summarize(_epochs(out), tx), "wall_s": wall,
+            results[name] = {**summarize(run_epochs(out), tx), "wall_s": wall,
                              # mean over the whole job (start-up included): how busy each link was
                              "link_gbit_per_node_mean": tx * 8 / len(after) / wall / 1e9}
             r = results[name]

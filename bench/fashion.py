@@ -36,16 +36,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure
+from bench.common import RESULTS_DIR, launch_2x2, machine_info, print_machine, run_epochs, save_figure
 from datacache.config import user_cache_dir
-from trainer.distenv import free_port
 
 # Zalando's benchmark table (github.com/zalandoresearch/fashion-mnist README), test-split accuracy
 PUBLISHED = {
@@ -97,35 +94,7 @@ def rows_of(group: str, quick: bool) -> dict[str, tuple[str, list[str]]]:
     raise SystemExit(f"bench.fashion: unknown row group {group!r}; choose from {', '.join(GROUPS)}")
 
 
-def launch_2x2(module: str, args: list[str], log: str, timeout: float) -> None:
-    """Two ``torchrun`` node agents (2 processes each) on loopback running ``python -m module``."""
-    port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port, "-m", module,
-               *args]
-        with open(f"{log}.node{node}.log", "w") as f:
-            procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + timeout
-    try:
-        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    if any(codes):
-        raise RuntimeError(f"{module}: torchrun exited with {codes}; see {log}.node*.log")
-
-
-def epochs_of(out: str) -> list[dict[str, Any]]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["event"] == "epoch"]
-
-
-def summarize(name: str, launcher: str, extra: list[str], eps: list[dict[str, Any]], seconds: float,
+def summarize(launcher: str, extra: list[str], eps: list[dict[str, Any]], seconds: float,
               machine: dict[str, Any]) -> dict[str, Any]:
     rates = [e["samples_per_s"] for e in eps]
     return {"top1": eps[-1]["val_top1"], "curve": [e["val_top1"] for e in eps],
@@ -292,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
         if group == "sampler":
             for row, (out, seconds) in run_emu(todo, train, val, common, runs, args.timeout).items():
-                rows[row] = summarize(row, "emu", todo[row][1], epochs_of(out), seconds, machine)
+                rows[row] = summarize("emu", todo[row][1], run_epochs(out), seconds, machine)
                 _report(row, rows[row])
             save(path, rows, machine, quick=args.quick, prepare_s=prepare_s)
             continue
@@ -305,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 launch_2x2("bench.fashion_reference", [*ref_common, *extra, "--out", out], out, args.timeout)
             else:
                 launch_2x2("trainer", [*common, "--cache", cache, *extra, "--out", out], out, args.timeout)
-            rows[row] = summarize(row, launcher, extra, epochs_of(out), time.perf_counter() - t, machine)
+            rows[row] = summarize(launcher, extra, run_epochs(out), time.perf_counter() - t, machine)
             _report(row, rows[row])
             save(path, rows, machine, quick=args.quick, prepare_s=prepare_s)
     save(path, rows, machine, quick=args.quick, prepare_s=prepare_s, say=True)
