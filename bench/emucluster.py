@@ -408,12 +408,18 @@ class EmuCluster:
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
                   "rate", f"{int(rate_gbit * 1000)}mbit", "burst", str(burst), "latency", "50ms"])
 
-    def set_rate(self, rate_gbit: float) -> None:
-        """Re-shape every link to ``rate_gbit`` (both directions)."""
-        if not rate_gbit > 0:
-            raise EmuError(f"rate must be > 0 Gbit/s, got {rate_gbit}")
+    def set_rate(self, rate_gbit: float | None) -> None:
+        """Re-shape every link to ``rate_gbit`` (both directions); ``None``: unshaped (fast mode)."""
+        if rate_gbit is not None and not rate_gbit > 0:
+            raise EmuError(f"rate must be > 0 Gbit/s (or None: unshaped), got {rate_gbit}")
         for i in range(len(self.addrs)):
-            self._shape(i, rate_gbit)
+            if rate_gbit is None:
+                for ns, dev in ((self.ns(i), self.ifname(i)),
+                                (self.state["switch"], self.state["switch_ifnames"][i])):
+                    # check=False: a link that was never shaped has no root qdisc to delete
+                    _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], check=False)
+            else:
+                self._shape(i, rate_gbit)
         self.state["rate_gbit"] = rate_gbit
         self._save()
 

@@ -51,6 +51,39 @@ def test_batches_equal_every_sample_once_and_resume() -> None:
         bad.load_state_dict(state)
 
 
+def test_mid_epoch_state_refuses_another_layout_of_the_same_world_size() -> None:
+    """2 nodes x 4 -> 4 nodes x 2 (8 ranks both): continuing the saved epoch on the new layout would
+    train some samples twice and others never (counted here); the state refuses it in one line."""
+    n, batch, start = 1003, 16, 3
+    indices = np.arange(n)
+    owners = np.random.default_rng(1).integers(0, 2, n).astype(np.int16)
+    saved_layout, new_layout = [0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]
+
+    def batches(layout: list[int], start_step: int) -> list[list[int]]:
+        out = []
+        for r in range(8):
+            s = LocalityBatchSampler(indices, owners, layout, r, seed=5, exchange=0.1)
+            s.set_epoch(0, batch_size=batch, start_step=start_step)
+            out.append([i for req in s for i in req.indices])
+        return out
+
+    trained = [i for b in batches(saved_layout, 0) for i in b[:start * batch]]
+    naive = trained + [i for b in batches(new_layout, start) for i in b]  # what the old code did
+    counts = np.bincount(naive, minlength=n)
+    assert (counts == 0).sum() > 50 and (counts >= 2).sum() > 50  # lost and repeated samples
+    state = LocalityBatchSampler(indices, owners, saved_layout, 0, seed=5, exchange=0.1).state_dict()
+    resumed = LocalityBatchSampler(indices, owners, new_layout, 0, seed=5, exchange=0.1)
+    with pytest.raises(ConfigError) as e:
+        resumed.load_state_dict(state)
+    msg = str(e.value)
+    assert "2 nodes x 4 ranks" in msg and "4 nodes x 2 ranks" in msg and "\n" not in msg
+    same = LocalityBatchSampler(indices, owners, saved_layout, 3, seed=5, exchange=0.1)
+    same.load_state_dict(state)  # the same layout continues
+    old = {k: v for k, v in state.items() if k != "node_of_rank"}  # a checkpoint from before the record
+    with pytest.raises(ConfigError, match="predates the rank-layout record"):
+        same.load_state_dict(old)
+
+
 @needs_redis
 def test_owners_follow_the_cluster_slot_map(redis_cluster) -> None:
     store = open_store(redis_cluster.url)

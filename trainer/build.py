@@ -62,7 +62,7 @@ def comm_config(cfg: TrainConfig) -> CommConfig:
     phases = cfg.comm_schedule.phases
     schedule = MethodSchedule(phases, unit="epoch") if len(phases) > 1 else None
     return CommConfig(method=phases[0][1], selector=cfg.selector, density=cfg.density, fp16=cfg.fp16_comm,
-                      error_feedback=cfg.error_feedback, schedule=schedule)
+                      error_feedback=cfg.error_feedback, schedule=schedule, overlap=cfg.overlap)
 
 
 DDP = nn.parallel.DistributedDataParallel

@@ -142,15 +142,28 @@ class LocalityBatchSampler(DistributedBatchSampler):
                           exchange=self.exchange).local_fraction
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue this epoch in the same order."""
+        """What a checkpoint needs to continue this epoch in the same order: the owners snapshot, the
+        plan's options and the rank layout the plan was made for (the node of every rank)."""
         return {"owners": torch.from_numpy(self.owners.copy()), "digest": owners_digest(self.owners),
-                "exchange": self.exchange, "seed": self.seed}
+                "exchange": self.exchange, "seed": self.seed, "node_of_rank": list(self.node_of_rank)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved epoch. Refuses (ConfigError, one line) another --exchange or --seed, and
+        another rank layout: the plan gives each NODE its share, so the same world size split over
+        other nodes (2 x 4 -> 4 x 2) would train some samples twice and others never this epoch."""
         if float(state["exchange"]) != self.exchange or int(state["seed"]) != self.seed:
             raise ConfigError(f"the checkpoint's sampler used exchange {state['exchange']} and seed "
                               f"{state['seed']}; this run has {self.exchange} and {self.seed}: resume with "
                               "the same --exchange and --seed")
+        saved_layout = state.get("node_of_rank")
+        if saved_layout is None:
+            raise ConfigError("the checkpoint's locality sampler state predates the rank-layout record, so "
+                              "its epoch cannot be continued safely: resume from an epoch-end checkpoint")
+        if [int(n) for n in saved_layout] != self.node_of_rank:
+            raise ConfigError(f"the epoch was planned for {describe_layout(saved_layout)}, this run is "
+                              f"{describe_layout(self.node_of_rank)}; its remaining samples cannot be "
+                              "continued on another layout: resume with the saved layout (torchrun "
+                              "--nnodes / --nproc-per-node) or from an epoch-end checkpoint")
         owners = np.asarray(state["owners"], dtype=np.int16)
         if owners_digest(owners) != state["digest"]:
             raise ConfigError("the checkpoint's sampler state is damaged (owners digest mismatch)")
@@ -203,6 +216,14 @@ def find_local_master(store: Any | None, explicit: str, required: bool) -> tuple
                               "start the cluster or fix --cache") from None
         return None, f"cluster unreachable at start ({type(e).__name__})"
     return local_master(masters, explicit)
+
+
+def describe_layout(node_of_rank: Sequence[int]) -> str:
+    """``"2 nodes x 4 ranks"`` (or the node of every rank when the nodes hold different counts)."""
+    counts = [list(node_of_rank).count(n) for n in sorted(set(node_of_rank))]
+    if len(set(counts)) == 1:
+        return f"{len(counts)} node{'s' * (len(counts) != 1)} x {counts[0]} rank{'s' * (counts[0] != 1)}"
+    return f"ranks on nodes {list(node_of_rank)}"
 
 
 def node_of_ranks(world_size: int, local_world_size: int) -> list[int]:

@@ -336,6 +336,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         logger.say(epoch_line(rec, cfg.epochs))
         result.epochs.append(rec)
     logger.write("end", epochs=len(result.epochs))
+    state.close()  # the communication thread of --overlap async (none otherwise)
     if cluster is not None:
         cluster.close()  # the slot-map reader's own connections (the datasets keep theirs)
     return result

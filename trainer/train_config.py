@@ -34,7 +34,7 @@ from functools import cached_property
 from typing import Any
 
 from datacache.config import ConfigError
-from trainer.comm.names import METHOD_CHOICES, SELECTOR_CHOICES
+from trainer.comm.names import METHOD_CHOICES, OVERLAP_CHOICES, SELECTOR_CHOICES
 from trainer.models import MODEL_CHOICES
 from trainer.schedule import DECAY_CHOICES, LR_SCALING_CHOICES, EpochSchedule, LRSchedule, positive_int
 
@@ -124,6 +124,10 @@ class TrainConfig:
     error_feedback: bool = _f(True, "keep what top-k did not send and add it next step", "comm")
     fp16_comm: bool = _f(False, "float16 values on the wire", "comm")
     bucket_cap_mb: float = _f(25.0, "DDP bucket (fusion buffer) size in MB", "comm")
+    overlap: str = _f("none", "when each bucket communicates: none (inside DDP's hook; backward waits, "
+                      "except the plain dense all-reduce) or async (on a communication thread / CUDA "
+                      "side stream while backward goes on; same results bit for bit)", "comm",
+                      OVERLAP_CHOICES)
     # augmentation
     augment: str = _f("rrc", "training crop: rrc (RandomResizedCrop to the resolution) or padcrop "
                       "(torchvision's RandomCrop(resolution, padding=--pad), zero fill: for small images; "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from trainer.comm.names import (
     FINAL_GATHER_CHOICES,
     METHOD_CHOICES,
+    OVERLAP_CHOICES,
     SELECTOR_CHOICES,
     check_choice,
 )
@@ -29,7 +30,10 @@ class CommConfig:
     smaller buckets go dense; partition_numel: HiTopK pipelining piece size (0 = off);
     final_gather: HiTopK's last intra-node step ("auto", "dense", "sparse"); dense_first_step:
     reduce the first step after ``register`` densely (DDP rebuilds its buckets after it);
-    schedule: a ``MethodSchedule`` switching the method by step or epoch.
+    schedule: a ``MethodSchedule`` switching the method by step or epoch; overlap: one of
+    ``OVERLAP_CHOICES``: "none" runs each bucket's method inside DDP's hook (backward waits for
+    it, except the plain dense all-reduce), "async" on a communication thread / CUDA side stream
+    in bucket order, same results bit for bit (trainer/comm/comm_thread.py).
     """
 
     method: str = "allreduce"
@@ -43,11 +47,13 @@ class CommConfig:
     final_gather: str = "auto"
     dense_first_step: bool = True
     schedule: MethodSchedule | None = None
+    overlap: str = "none"
 
     def __post_init__(self) -> None:
         check_choice("CommConfig.method", self.method, METHOD_CHOICES)
         check_choice("CommConfig.selector", self.selector, SELECTOR_CHOICES)
         check_choice("CommConfig.final_gather", self.final_gather, FINAL_GATHER_CHOICES)
+        check_choice("CommConfig.overlap", self.overlap, OVERLAP_CHOICES)
         if not isinstance(self.density, (int, float)) or not (0.0 < float(self.density) <= 1.0):
             raise ValueError(f"CommConfig.density={self.density!r}; must be in (0, 1], e.g. 0.01 for 1 %")
         for name in ("min_numel_for_sparse", "partition_numel"):

@@ -26,6 +26,10 @@ are selected like the largest magnitudes), and every check that can raise (sizes
 depends only on what all ranks share. With ``nan_check=False`` a NaN therefore reaches every
 rank's gradient alike instead of hanging the others.
 
+Overlap (``CommConfig(overlap="async")``): the hook decides on the backward thread (method, fp16 wire,
+warm-up, residual key) and the reduction runs on the state's communication thread, in bucket order,
+with exactly the code below (trainer/comm/comm_thread.py); "none" runs it here.
+
 Host/device syncs: none inside the hooks on CUDA with the ``mstopk`` or ``exact`` selector
 (``dgc`` syncs by design). The verdict flags stay on the device; ``maybe_step`` reads them once
 per step, after backward.
@@ -33,6 +37,7 @@ per step, after backward.
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,19 +71,42 @@ def _finish_dense(state: HookState, out: Tensor, check: bool) -> Tensor:
     return out
 
 
-def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Future[Tensor]:
-    """Run ``method`` on ``bucket`` (a ``dist.GradBucket``) and return DDP's future."""
+@dataclass(frozen=True)
+class _Plan:
+    """What one bucket gets, decided on the backward thread (host values only: no sync)."""
+
+    method: str
+    sparse: bool
+    fp16: bool  # read here: fp16_wrapper's context variable does not reach the comm thread
+    check: bool
+    warmup: bool
+    key: str | None  # residual key (needs the GradBucket, which only lives during the hook call)
+
+
+def _plan(state: HookState, bucket: Any, method: str, numel: int) -> _Plan:
+    cfg = state.config
+    fp16 = cfg.fp16 or wire_fp16()  # the config's switch, or an fp16_wrapper around this hook
+    warmup = cfg.dense_first_step and state.fresh
+    sparse = method in SPARSE_METHODS and numel >= cfg.min_numel_for_sparse and not warmup
+    # A dense bucket needs its key only to flush a residual a sparse step left (see _reduce);
+    # decided from host facts that do not change while the comm thread works on earlier buckets.
+    may_hold_residual = bool(state.ef) or cfg.schedule is not None or cfg.method in SPARSE_METHODS
+    needs_key = sparse or (cfg.error_feedback and not warmup and may_hold_residual)
+    return _Plan(method, sparse, fp16, checks_finite(cfg.nan_check, fp16), warmup,
+                 state.key_for(bucket) if needs_key else None)
+
+
+def _reduce(state: HookState, plan: _Plan, flat: Tensor,
+            blocking: bool) -> Tensor | torch.futures.Future[Tensor]:
+    """The bucket's reduction: a tensor, or (plain dense, ``blocking=False``) the backend's future."""
     cfg = state.config
     topo = state.ensure_topology()
-    flat: Tensor = bucket.buffer()
     world = topo.world_size
-    fp16 = cfg.fp16 or wire_fp16()  # the config's switch, or an fp16_wrapper around this hook
-    check = checks_finite(cfg.nan_check, fp16)
-    warmup = cfg.dense_first_step and state.fresh
-    sparse = method in SPARSE_METHODS and flat.numel() >= cfg.min_numel_for_sparse and not warmup
-    if sparse:
-        key = state.key_for(bucket)
-        residual = (state.ef.residual(key, method=method, numel=flat.numel(), topo=topo, device=flat.device)
+    fp16, check = plan.fp16, plan.check
+    if plan.sparse:
+        assert plan.key is not None
+        residual = (state.ef.residual(plan.key, method=plan.method, numel=flat.numel(), topo=topo,
+                                      device=flat.device)
                     if cfg.error_feedback else None)
         gscale = state.grad_scale if residual is not None else None
         if gscale is not None:
@@ -89,7 +117,7 @@ def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Futu
         # inplace: the hook owns the bucket buffer, so the result is built inside it (no copy).
         common = dict(density=cfg.density, selector=cfg.selector, residual=residual, fp16=fp16,
                       timer=state.timer, check_finite=cfg.nan_check, inplace=True, divide_by=world)
-        if method == "hitopk":
+        if plan.method == "hitopk":
             out, bad = hitopk_ex(flat, topo, partition_numel=cfg.partition_numel,
                                  final_gather=cfg.final_gather, **common)
         else:
@@ -98,21 +126,38 @@ def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Futu
             residual.div_(gscale)
         if bad is not None:
             state.flags.add(bad)
-        return _done(out)
-    if cfg.error_feedback and state.ef and not warmup:
+        return out
+    if plan.key is not None and state.ef:
         # Switched from a sparse method (or a bucket fell under the size threshold): hand the
         # held-back residual (averaged units) to this dense reduction so it is not lost.
-        state.ef.flush_into(state.key_for(bucket), flat, topo, scale=world, grad_scale=state.grad_scale)
-    if method == "torus":
+        state.ef.flush_into(plan.key, flat, topo, scale=world, grad_scale=state.grad_scale)
+    if plan.method == "torus":
         out = torus_allreduce(flat, topo, timer=state.timer, fp16=fp16, inplace=True, divide_by=world)
-        return _done(_finish_dense(state, out, check))
+        return _finish_dense(state, out, check)
     if fp16 or state.timer is not None or not dist.is_initialized():
         out = allreduce_dense(flat, topo, timer=state.timer, fp16=fp16, inplace=True, divide_by=world)
-        return _done(_finish_dense(state, out, check))
+        return _finish_dense(state, out, check)
+    if blocking:  # on the comm thread: the same reduction, waited for there
+        dist.all_reduce(flat)
+        return _finish_dense(state, flat.div_(world), check)
     # Plain dense all-reduce stays asynchronous so DDP overlaps it with the rest of backward;
     # the callback runs on the backend's thread when the reduction completes.
     fut = dist.all_reduce(flat, async_op=True).get_future()
     return fut.then(lambda f: _finish_dense(state, f.value()[0].div_(world), check))
+
+
+def run_method(state: HookState, bucket: Any, method: str) -> torch.futures.Future[Tensor]:
+    """Run ``method`` on ``bucket`` (a ``dist.GradBucket``) and return DDP's future.
+
+    ``overlap="async"``: the plan is made here, the reduction runs on the state's communication
+    thread (:mod:`trainer.comm.comm_thread`), in bucket order, and the future completes there."""
+    flat: Tensor = bucket.buffer()
+    plan = _plan(state, bucket, method, flat.numel())
+    comm = state.comm_thread()
+    if comm is not None:
+        return comm.submit(lambda: _reduce(state, plan, flat, blocking=True), flat)  # type: ignore[return-value]
+    out = _reduce(state, plan, flat, blocking=False)
+    return _done(out) if isinstance(out, Tensor) else out  # the backend's future (a torch._C.Future)
 
 
 def _comm_hook(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from trainer.comm.comm_config import CommConfig
+from trainer.comm.comm_thread import CommThread
 from trainer.comm.error_feedback import ErrorFeedback, bucket_key
 from trainer.comm.timing import PhaseTimer
 from trainer.comm.topology import Topology
@@ -75,12 +76,27 @@ class HookState:
     grad_scale: Tensor | None = field(default=None, repr=False)
     flags: StepFlags = field(default_factory=StepFlags, repr=False)
     fresh: bool = field(default=True, repr=False)  # no step finished since register()
+    _comm: CommThread | None = field(default=None, repr=False)
     _param_names: dict[int, str] = field(default_factory=dict, repr=False)
     _warned_names: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, CommConfig):
             raise ValueError(f"HookState.config must be a CommConfig, got {type(self.config).__name__}")
+
+    # ---- communication thread (overlap="async") --------------------------------------
+    def comm_thread(self) -> CommThread | None:
+        """The communication thread of ``overlap="async"`` (made on first use), else None."""
+        if self.config.overlap != "async":
+            return None
+        if self._comm is None:
+            self._comm = CommThread()
+        return self._comm
+
+    def close(self) -> None:
+        """Stop the communication thread, if any (after its queued work); safe to call twice."""
+        if self._comm is not None:
+            self._comm.close()
 
     # ---- topology / names -------------------------------------------------------------
     def ensure_topology(self) -> Topology:

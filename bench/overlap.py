@@ -1,0 +1,500 @@
+"""Communication overlap: step time of the comm methods with synchronous hooks vs ``--overlap async``.
+
+On the emulated cluster (:mod:`bench.emucluster`: 3 network namespaces, one gloo rank each, links
+shaped to each ``--rates`` value in Gbit/s, ``fast`` = unshaped veths), every rank trains the same
+model for ``--iters`` timed steps (after ``--warmup``) per method in each mode, side by side in one
+run: the compute-only step, the synchronous and the async step alternate step by step, so drift on
+this shared machine hits all three alike:
+
+* models: ``r50stack`` -- a stack of residual blocks whose parameter sizes follow ResNet-50's
+  layers (trainer.models.resnet50, each weight's size / ``--scale``; a block ``x + relu(x W1) W2``
+  holding that many parameters), so DDP's buckets have ResNet-50's size profile; ``small_resnet`` --
+  the trainer's CIFAR-stem ResNet (``--width``) on 32x32 inputs;
+* methods (``--methods``): ``allreduce`` (dense), ``torus``, ``naive_ag`` (MSTopK), ``hitopk``;
+  sparse at ``--density`` with error feedback; DDP buckets of ``--bucket-mb``;
+* modes: ``none`` (the hooks run inside backward; the plain dense all-reduce is already
+  asynchronous there) and ``async`` (trainer/comm/comm_thread.py).
+
+A step = zero_grad, forward, backward (the hooks communicate), ``maybe_step``; its time is the
+slowest rank's (all-reduce MAX), median over the timed steps. The bound ``max(compute, comm)`` is
+measured in the same run: ``compute`` = the same step without DDP (no communication), ``comm`` =
+the seconds the communication thread was busy per step in the async mode. CPU seconds per step
+(every rank's process, all threads) are recorded beside: on a 2-core machine three ranks, their
+backward and their communication threads share the same cores, so ``cpu floor`` = those seconds /
+the cores is a third bound (``overlap_vs_machine_bound_<method>``).
+
+Ratios (``bench/results/overlap.json``): ``overlap_<method>_vs_sync`` = sync step / async step at
+1 Gbit/s (other rates suffixed, e.g. ``overlap_hitopk_vs_sync_0.2gbit``, ``_fast``), and
+``overlap_vs_bound_<method>`` = bound / async step at 1 Gbit/s. Plus a timeline PNG of one step
+per mode (per bucket: gradient ready, communication start and end, next forward of its layer).
+
+``python -m bench.overlap [--rates 1,0.2,fast] [--quick]`` (root: network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("allreduce", "torus", "naive_ag", "hitopk")
+MODES = ("none", "async")
+MODELS = ("r50stack", "small_resnet")
+TARGET_VS_SYNC = 1.3
+TARGET_VS_BOUND = 0.85
+
+
+# ================================================================ models (worker side)
+def r50_profile(scale: float) -> list[int]:
+    """ResNet-50's weight sizes (conv and fc, in order), each divided by ``scale``."""
+    from trainer.models import resnet50
+
+    return [max(1, round(p.numel() / scale)) for name, p in resnet50().named_parameters()
+            if name.endswith("weight") and p.dim() > 1]
+
+
+def r50_stack(scale: float, hidden: int) -> Any:
+    """Residual blocks ``x + relu(x W1^T) W2^T`` of ResNet-50's parameter profile (see the docstring)."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, inner: int) -> None:
+            super().__init__()
+            self.a = nn.Linear(hidden, inner, bias=False)
+            self.b = nn.Linear(inner, hidden, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.b(self.a(x).relu())
+
+    blocks = [Block(max(1, math.ceil(n / (2 * hidden)))) for n in r50_profile(scale)]
+    return nn.Sequential(*blocks, nn.Linear(hidden, 10))
+
+
+def _model_and_batch(name: str, a: argparse.Namespace, rank: int) -> tuple[Any, Any, Any]:
+    import torch
+
+    from trainer.models import build_model
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + rank)
+    if name == "r50stack":
+        model = r50_stack(a.scale, a.hidden)
+        x = torch.randn(a.batch, a.hidden, generator=g)
+    else:
+        model = build_model("small_resnet_cifar", 10, width=a.width)
+        x = torch.randn(a.batch, 3, 32, 32, generator=g)
+    return model, x, torch.randint(0, 10, (a.batch,), generator=g)
+
+
+# ================================================================ worker
+def _slowest(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _summed(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks (CPU seconds of every rank's process, all its threads)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _traced(hook: Any, log: list[dict[str, Any]], names: dict[int, str]) -> Any:
+    """The hook, recording per bucket: when DDP handed it over and when its future completed."""
+    import torch
+
+    def traced_hook(state: Any, bucket: Any) -> Any:
+        rec = {"bucket": bucket.index(), "ready": time.perf_counter(), "numel": bucket.buffer().numel(),
+               "layer": min((names.get(id(p), "?") for p in bucket.parameters()), key=_layer_order)}
+        log.append(rec)
+        fut = hook(state, bucket)
+
+        def done(f: Any) -> Any:
+            rec["done"] = time.perf_counter()
+            return f.value()
+        return fut.then(done)
+
+    traced_hook.comm_hook = True  # type: ignore[attr-defined]
+    traced_hook.__annotations__ = {"state": Any, "bucket": torch.distributed.GradBucket,
+                                   "return": torch.futures.Future[torch.Tensor]}
+    return traced_hook
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    head = name.split(".", 1)[0]
+    return (int(head), name) if head.isdigit() else (10**9, name)
+
+
+class _Runner:
+    """One model trained in one mode: ``method=None`` = compute only (no DDP, no communication)."""
+
+    def __init__(self, a: argparse.Namespace, model_name: str, method: str | None, mode: str,
+                 rank: int) -> None:
+        import torch
+        from torch import nn
+
+        from trainer.comm import CommConfig, register
+        from trainer.comm.hooks import make_hook
+
+        self.a, self.method = a, method
+        self.model, self.x, self.y = _model_and_batch(model_name, a, rank)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.state: Any = None
+        self.trace: list[dict[str, Any]] = []
+        self.forwards: list[tuple[str, float]] = []
+        self.net: Any = self.model
+        if method is not None:
+            cfg = CommConfig(method=method, selector="mstopk", density=a.density, overlap=mode)
+            self.net = nn.parallel.DistributedDataParallel(self.model, bucket_cap_mb=a.bucket_mb)
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self.state = register(self.net, cfg, _traced(make_hook(cfg), self.trace, names))
+            if mode == "async":
+                self.state.comm_thread().trace = []
+            stamp = self.forwards.append
+            for name, mod in self.model.named_children():  # "next forward of its layer" (timeline)
+                mod.register_forward_pre_hook(lambda m, i, n=name: stamp((n, time.perf_counter())))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.steps: list[float] = []
+        self.cpu: list[float] = []
+        self.busy: list[float] = []
+        self.inline: list[float] = []
+        self.timeline: dict[str, Any] = {}
+
+    def step(self, timed: bool, keep_timeline: bool) -> None:
+        import torch
+
+        from trainer.comm import maybe_step
+
+        thread = self.state._comm if self.state is not None else None
+        self.trace.clear()
+        self.forwards.clear()
+        if thread is not None and thread.trace is not None:
+            thread.trace.clear()
+        torch.distributed.barrier()  # every rank starts the step together (untimed)
+        c0, t0 = time.process_time(), time.perf_counter()
+        self.net.zero_grad(set_to_none=True)
+        self.loss_fn(self.net(self.x), self.y).backward()
+        if self.state is not None:
+            maybe_step(self.opt, self.state)
+        else:
+            self.opt.step()
+        t1 = time.perf_counter()
+        if not timed:
+            return
+        self.steps.append(t1 - t0)
+        self.cpu.append(time.process_time() - c0)
+        if thread is not None and thread.trace is not None:
+            self.busy.append(sum(end - start for _, start, end in thread.trace))
+        elif self.method is not None:  # synchronous hooks: a bucket communicates from hand-over to done
+            self.inline.append(sum(r.get("done", r["ready"]) - r["ready"] for r in self.trace))
+        if keep_timeline and self.method is not None:
+            # the step's buckets, then the NEXT forward's layer starts (one more forward, untimed)
+            with torch.no_grad():
+                self.net.module(self.x)
+            starts: dict[str, float] = {}
+            for n, t in self.forwards:
+                if t > t1:  # this step's own forward ran before t1
+                    starts.setdefault(n, t)
+            self.timeline = {"t0": t0, "step_end": t1, "buckets": [dict(r) for r in self.trace],
+                             "thread": list(thread.trace) if thread is not None and thread.trace else [],
+                             "next_forward": starts}
+
+    def result(self) -> dict[str, Any]:
+        if self.state is not None:
+            self.state.close()
+        return {"step_s": _slowest(self.steps), "cpu_s": self.cpu, "cpu_all_ranks_s": _summed(self.cpu),
+                "comm_busy_s": self.busy, "comm_inline_s": self.inline, "timeline": self.timeline}
+
+
+def _time_method(a: argparse.Namespace, model_name: str, method: str, rank: int) -> dict[str, Any]:
+    """Compute only, synchronous hooks and async, INTERLEAVED step by step (drift hits all three)."""
+    runners = {"compute": _Runner(a, model_name, None, "none", rank),
+               **{mode: _Runner(a, model_name, method, mode, rank) for mode in MODES}}
+    total = a.warmup + a.iters
+    for it in range(total):
+        for r in runners.values():
+            r.step(timed=it >= a.warmup, keep_timeline=it == total - 1)
+    return {k: r.result() for k, r in runners.items()}
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bench.netns import check_target
+
+    check_target(os.environ["MASTER_ADDR"], os.environ["DC_ALLOWED_ADDRS"].split(","))
+    torch.set_num_threads(1)  # 3 ranks on 2 cores: one intra-op thread each
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank = dist.get_rank()
+    res: dict[str, Any] = {}
+    for model_name in a.models:
+        res[model_name] = {}
+        for method in a.methods:
+            runs = _time_method(a, model_name, method, rank)
+            res[model_name][f"compute/{method}"] = runs.pop("compute")
+            for mode, r in runs.items():
+                res[model_name][f"{method}/{mode}"] = r
+                if rank == 0:
+                    print(f"[{a.tag}] {model_name} {method:9s} {mode:5s} step "
+                          f"{statistics.median(r['step_s']) * 1e3:8.1f} ms", file=sys.stderr, flush=True)
+    if rank == 0:
+        Path(a.result).write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ================================================================ parent
+def _launch(c: Any, a: argparse.Namespace, tag: str, port: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="dc-overlap-") as tmp:
+        result = Path(tmp) / "rank0.json"
+        procs, logs = [], []
+        n = len(c.addrs)
+        for rank in range(n):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_PORT": str(port), "DC_ALLOWED_ADDRS": ",".join(c.addrs), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": str(ROOT)}
+            argv = [sys.executable, "-m", "bench.overlap", "--worker", "--tag", tag, "--result", str(result),
+                    *_worker_args(a)]
+            logs.append(log := open(Path(tmp) / f"rank{rank}.log", "w+"))  # noqa: SIM115 (closed below)
+            procs.append(c.run_on(rank, argv, env=env, cwd=ROOT, stdout=log,
+                                  stderr=None if rank == 0 else log))
+        deadline = time.monotonic() + a.timeout
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"{tag}: rank(s) {failed or 'all'} failed or timed out")
+                time.sleep(0.5)
+            return json.loads(result.read_text())
+        except BaseException:
+            for r, log in enumerate(logs):
+                log.seek(0)
+                print(f"--- rank {r} log tail ---\n{log.read()[-3000:]}", file=sys.stderr)
+            raise
+        finally:
+            for p in procs:  # only the processes started here, by handle
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
+
+
+def _worker_args(a: argparse.Namespace) -> list[str]:
+    return ["--iters", str(a.iters), "--warmup", str(a.warmup), "--density", str(a.density),
+            "--bucket-mb", str(a.bucket_mb), "--scale", str(a.scale), "--hidden", str(a.hidden),
+            "--width", str(a.width), "--batch", str(a.batch), "--methods", ",".join(a.methods),
+            "--models", ",".join(a.models)]
+
+
+def _rate_suffix(rate: str) -> str:
+    return "" if rate == "1" else ("_fast" if rate == "fast" else f"_{rate}gbit")
+
+
+def analyse(raw: dict[str, dict[str, Any]], methods: list[str], models: list[str],
+            cores: int) -> tuple[dict, dict]:
+    """Per rate/model/method: median step per mode, the bound, CPU; ratios on the first model."""
+    table: dict[str, Any] = {}
+    ratios: dict[str, float | None] = {}
+    for rate, by_model in raw.items():
+        for model, res in by_model.items():
+            for method in methods:
+                compute = statistics.median(res[f"compute/{method}"]["step_s"])
+                row = {}
+                for mode in MODES:
+                    r = res[f"{method}/{mode}"]
+                    busy = statistics.median(r["comm_busy_s"]) if r["comm_busy_s"] else None
+                    inline = statistics.median(r["comm_inline_s"]) if r.get("comm_inline_s") else None
+                    row[mode] = {"step_s": statistics.median(r["step_s"]),
+                                 "cpu_s": statistics.median(r["cpu_s"]), "comm_busy_s": busy,
+                                 "comm_inline_s": inline,
+                                 "cpu_all_ranks_s": statistics.median(r["cpu_all_ranks_s"])}
+                comm = row["async"]["comm_busy_s"] or 0.0
+                bound = max(compute, comm)
+                row["compute_s"], row["comm_s"], row["bound_s"] = compute, comm, bound
+                # The machine's own floor: every rank's CPU seconds of the async step over the cores.
+                row["cpu_floor_s"] = row["async"]["cpu_all_ranks_s"] / cores
+                row["async_vs_machine_bound"] = max(bound, row["cpu_floor_s"]) / row["async"]["step_s"]
+                row["comm_share"] = comm / row["none"]["step_s"] if row["none"]["step_s"] else None
+                row["async_vs_sync"] = row["none"]["step_s"] / row["async"]["step_s"]
+                row["async_vs_bound"] = bound / row["async"]["step_s"]
+                table.setdefault(rate, {}).setdefault(model, {})[method] = row
+                if model == models[0]:
+                    ratios[f"overlap_{method}_vs_sync{_rate_suffix(rate)}"] = row["async_vs_sync"]
+                    if rate == "1":
+                        ratios[f"overlap_vs_bound_{method}"] = row["async_vs_bound"]
+                        ratios[f"overlap_vs_machine_bound_{method}"] = row["async_vs_machine_bound"]
+    return table, ratios
+
+
+def _raw_steps(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every timed step (slowest rank) per rate / model / method-mode, for the JSON."""
+    return {r: {m: {k: v["step_s"] for k, v in res.items()} for m, res in by.items()}
+            for r, by in raw.items()}
+
+
+def plot_timeline(raw: dict[str, Any], rate: str, model: str, method: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(MODES), 1, figsize=(10, 2.2 + 1.4 * len(MODES)), sharex=True)
+    for ax, mode in zip(axes, MODES):
+        tl = raw[rate][model][f"{method}/{mode}"]["timeline"]
+        if not tl:
+            continue
+        t0 = tl["t0"]
+        thread = tl["thread"]
+        for i, b in enumerate(tl["buckets"]):
+            ready, done = b["ready"] - t0, b.get("done", b["ready"]) - t0
+            start = thread[i][1] - t0 if mode == "async" and i < len(thread) else ready
+            ax.barh(i, start - ready, left=ready, color="0.8", height=0.6)
+            ax.barh(i, done - start, left=start, color="tab:blue", height=0.6)
+            fwd = tl["next_forward"].get(b["layer"].split(".", 1)[0])
+            if fwd is not None:
+                ax.plot([fwd - t0], [i], "r|", markersize=12)
+        ax.axvline(tl["step_end"] - t0, color="k", lw=0.8, ls="--")
+        ax.set_ylabel(f"{mode}\nbucket")
+        ax.set_title(f"{model}, {method}, {rate} Gbit/s: grey = ready->start, blue = communicating, "
+                     "| = next forward of its first layer, -- = step end", fontsize=8)
+    axes[-1].set_xlabel("seconds since the step started (rank 0)")
+    save_figure(fig, path)
+
+
+def plot_ratios(table: dict[str, Any], model: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(table)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(1, len(rates))
+    methods = list(next(iter(table.values()))[model])
+    for k, rate in enumerate(rates):
+        vals = [table[rate][model][m]["async_vs_sync"] for m in methods]
+        ax.bar([i + k * width for i in range(len(methods))], vals, width, label=f"{rate} Gbit/s")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(TARGET_VS_SYNC, color="r", lw=0.8, ls="--", label=f"goal {TARGET_VS_SYNC}")
+    ax.set_xticks([i + width * (len(rates) - 1) / 2 for i in range(len(methods))], methods)
+    ax.set_ylabel("sync step / async step")
+    ax.set_title(f"--overlap async vs synchronous hooks ({model}, 3 emulated nodes x 1 gloo rank)")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.overlap", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="1,0.2,fast",
+                    help="link rates in Gbit/s, comma-separated; 'fast' = unshaped (default 1,0.2,fast)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {', '.join(METHODS)}")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"subset of {', '.join(MODELS)}")
+    ap.add_argument("--iters", type=int, default=10, help="timed steps per method x mode")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (DDP's layout step too)")
+    ap.add_argument("--density", type=float, default=0.01, help="sparse methods' density")
+    ap.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--scale", type=float, default=8.0, help="r50stack: ResNet-50's sizes divided by this")
+    ap.add_argument("--hidden", type=int, default=256, help="r50stack: activation width")
+    ap.add_argument("--width", type=int, default=16, help="small_resnet: width")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke: 1 Gbit/s and unshaped, the first model made tiny, 2 timed steps, "
+                         "overlap_quick.json")
+    ap.add_argument("--results-dir", default=str(RESULTS_DIR), help="where overlap(_quick).json and PNGs go")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per rate")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--result", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.methods = [m for m in a.methods.split(",") if m]
+    a.models = [m for m in a.models.split(",") if m]
+    for m in a.methods:
+        if m not in METHODS:
+            ap.error(f"--methods: {m!r}; choose from {', '.join(METHODS)}")
+    for m in a.models:
+        if m not in MODELS:
+            ap.error(f"--models: {m!r}; choose from {', '.join(MODELS)}")
+    if a.quick and not a.worker:
+        # 1 Gbit/s then unshaped: the ratio names of both kinds, and the switch to unshaped links
+        a.rates, a.iters, a.warmup, a.scale, a.hidden, a.width, a.batch = "1,fast", 2, 2, 256.0, 32, 4, 8
+        a.bucket_mb = 0.02  # several buckets even for the tiny model
+        a.models = a.models[:1]
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    from bench.emucluster import EmuCluster, EmuConfig, why_unavailable
+
+    why = why_unavailable()
+    if why:
+        print(f"bench.overlap needs the emulated cluster: {why}", file=sys.stderr)
+        return 2
+    machine = print_machine(machine_info())
+    rates = [r.strip() for r in a.rates.split(",") if r.strip()]
+    raw: dict[str, Any] = {}
+    first = None if rates[0] == "fast" else float(rates[0])
+    with tempfile.TemporaryDirectory(prefix="dc-overlap-emu-") as d, \
+            EmuCluster(EmuConfig(nodes=3, rate_gbit=first, state_dir=d, timeout=120.0)) as c:
+        for k, rate in enumerate(rates):
+            if k:
+                c.set_rate(None if rate == "fast" else float(rate))
+            print(f"rate {rate}: {len(a.methods)} methods x {len(MODES)} modes x {len(a.models)} models",
+                  file=sys.stderr, flush=True)
+            raw[rate] = _launch(c, a, f"{rate}", 29500 + k)
+    table, ratios = analyse(raw, a.methods, a.models, os.cpu_count() or 1)
+    name = "overlap_quick" if a.quick else "overlap"
+    out = Path(a.results_dir)
+    notes = [f"bound = max(compute, comm): compute = the step without DDP, comm = the communication thread's "
+             f"busy seconds per step (async mode); goals: vs_sync >= {TARGET_VS_SYNC} where comm >= 30 % "
+             f"of the step, vs_bound >= {TARGET_VS_BOUND}",
+             "cores shared by the ranks: backward and the communication threads compete for them; "
+             "cpu_floor_s = every rank's CPU seconds per async step / the machine's cores, and "
+             "overlap_vs_machine_bound_<method> = max(compute, comm, cpu floor) / async step",
+             "comm_inline_s (sync mode): seconds from DDP's hand-over of each bucket to its result, "
+             "summed over the step's buckets; comm_busy_s (async): the thread's busy seconds"]
+    write_results(name, machine=machine, config={k: v for k, v in vars(a).items()
+                                                   if k not in ("worker", "tag", "result")},
+                  results={"table": table, "raw_steps": _raw_steps(raw)},
+                  ratios=ratios, notes=notes, out_dir=out)
+    model = a.models[0]
+    rate = "1" if "1" in raw else rates[0]
+    method = "hitopk" if "hitopk" in a.methods else a.methods[0]
+    plot_timeline(raw, rate, model, method, out / f"{name}_timeline.png")
+    plot_ratios(table, model, out / f"{name}.png")
+    for r, by in table.items():
+        for m, rows in by.items():
+            for meth, row in rows.items():
+                print(f"{r:>5} {m:12s} {meth:9s} sync {row['none']['step_s'] * 1e3:7.1f} ms  async "
+                      f"{row['async']['step_s'] * 1e3:7.1f} ms  x{row['async_vs_sync']:.2f}  bound "
+                      f"{row['bound_s'] * 1e3:7.1f} ms ({row['async_vs_bound']:.2f})  cpu floor "
+                      f"{row['cpu_floor_s'] * 1e3:6.1f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

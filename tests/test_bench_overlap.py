@@ -1,0 +1,73 @@
+"""``python -m bench.overlap --quick`` on the emulated cluster (root, network namespaces): it runs every
+method in both modes on 3 namespaced gloo ranks and writes the issue's ratio names and the PNGs.
+The ResNet-50-shaped stack carries ResNet-50's parameter count (25.6M, the published figure) / scale.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.emucluster import why_unavailable
+from bench.overlap import METHODS, analyse, r50_profile, r50_stack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_r50_stack_has_resnet50s_profile() -> None:
+    sizes = r50_profile(1.0)
+    assert len(sizes) == 54  # 53 convolutions (16 bottlenecks x 3, 4 downsamples, the stem) + fc
+    assert abs(sum(sizes) - 25.5e6) / 25.5e6 < 0.01  # torchvision: 25,557,032 incl. BN and biases
+    model = r50_stack(64.0, 64)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - sum(r50_profile(64.0))) / n < 0.05  # each block rounds up to whole rows
+
+
+@pytest.mark.skipif(why_unavailable() is not None, reason=f"emulated cluster: {why_unavailable()}")
+def test_quick_run_writes_every_ratio(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "bench.overlap", "--quick", "--results-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "overlap_quick.json").read_text())
+    for m in METHODS:
+        assert doc["ratios"][f"overlap_{m}_vs_sync_fast"] > 0 and doc["ratios"][f"overlap_{m}_vs_sync"] > 0
+        ratios = doc["ratios"]
+        assert ratios[f"overlap_vs_bound_{m}"] > 0 and ratios[f"overlap_vs_machine_bound_{m}"] > 0
+        row = doc["results"]["table"]["fast"]["r50stack"][m]
+        assert row["async"]["comm_busy_s"] > 0 and row["none"]["comm_busy_s"] is None
+        assert row["bound_s"] >= row["compute_s"] > 0 and row["cpu_floor_s"] > 0
+        assert row["none"]["comm_inline_s"] > 0 and row["async"]["comm_inline_s"] is None
+    assert (tmp_path / "overlap_quick.png").stat().st_size > 0
+    assert (tmp_path / "overlap_quick_timeline.png").stat().st_size > 0
+    assert "machine:" in r.stdout
+
+
+def test_help_explains_itself() -> None:
+    r = subprocess.run([sys.executable, "-m", "bench.overlap", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "--rates" in r.stdout and "async" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.overlap", "--methods", "ring"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "allreduce, torus, naive_ag, hitopk" in bad.stderr
+
+
+def test_ratio_names_and_bounds_from_measured_steps() -> None:
+    """The issue's names at 1 Gbit/s (no suffix) and suffixed rates; bound = max(compute, comm)."""
+    def run(steps: list[float], busy: list[float], cpu: list[float]) -> dict:
+        return {"step_s": steps, "cpu_s": cpu, "cpu_all_ranks_s": [3 * c for c in cpu], "comm_busy_s": busy,
+                "comm_inline_s": [] if busy else [0.05]}
+
+    res = {"compute/hitopk": run([0.10, 0.12, 0.11], [], [0.1] * 3),
+           "hitopk/none": run([0.30, 0.32, 0.31], [], [0.1] * 3),
+           "hitopk/async": run([0.20, 0.21, 0.22], [0.18, 0.19, 0.17], [0.1] * 3)}
+    table, ratios = analyse({"1": {"r50stack": res}, "0.2": {"r50stack": res}}, ["hitopk"], ["r50stack"], 2)
+    row = table["1"]["r50stack"]["hitopk"]
+    assert row["compute_s"] == 0.11 and row["comm_s"] == 0.18 and row["bound_s"] == 0.18
+    assert ratios["overlap_hitopk_vs_sync"] == ratios["overlap_hitopk_vs_sync_0.2gbit"] == 0.31 / 0.21
+    assert ratios["overlap_vs_bound_hitopk"] == 0.18 / 0.21
+    assert row["cpu_floor_s"] == pytest.approx(0.15)
+    assert ratios["overlap_vs_machine_bound_hitopk"] == 0.18 / 0.21
