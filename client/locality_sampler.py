@@ -18,7 +18,9 @@ each rank, ``seed``, ``epoch`` and the exchange fraction ``exchange`` (Q). The p
    samples that cross nodes here are exactly the surplus, the smallest set that equalises the counts;
 4. with ``drop_last`` the ``len % world`` samples left over are dropped (a different random set each
    epoch); otherwise each short node repeats a few of its own samples (as ``DistributedSampler`` pads);
-5. each node's list is shuffled again and dealt to its ranks in equal contiguous parts.
+5. each node's list is shuffled again and dealt to its ranks in equal contiguous parts; a rank dealt
+   two copies of one sample swaps one of them with another rank (of the same node when one fits), so a
+   padded copy never lands on the rank that holds its original, as with ``DistributedSampler``.
 
 The plan depends only on the inputs above, so it is deterministic, identical on every rank, and a
 resumed run recomputes it exactly (see :class:`LocalitySampler`'s ``state_dict``). With one node, or
@@ -118,16 +120,49 @@ def plan_epoch(owners: np.ndarray | Sequence[int], node_of_rank: Sequence[int], 
             by_node[m] = np.concatenate([b, rng.choice(src, pad, replace=pad > len(src))])
     # 5. each node's list shuffled again and dealt to its ranks in equal contiguous parts
     out: list[np.ndarray] = [np.empty(0, np.int64)] * world
-    crossing = local = 0
     order_rng = _rng(seed, epoch, 2)
     for m in range(nodes):
         lst = order_rng.permutation(by_node[m])
-        own = owners[lst]
-        local += int((own == m).sum())
-        crossing += int(((own >= 0) & (own != m)).sum())
         for j, r in enumerate(np.flatnonzero(node_of_rank == m)):
-            out[r] = lst[j * per_rank:(j + 1) * per_rank]
+            out[r] = lst[j * per_rank:(j + 1) * per_rank].copy()
+    if not drop_last and world * per_rank > n:
+        _separate_copies(out, node_of_rank)
+    crossing = local = 0
+    for r, part in enumerate(out):
+        own = owners[part]
+        local += int((own == node_of_rank[r]).sum())
+        crossing += int(((own >= 0) & (own != node_of_rank[r])).sum())
     return EpochPlan(per_rank=out, crossing=crossing, local=local)
+
+
+def _separate_copies(out: list[np.ndarray], node_of_rank: np.ndarray) -> None:
+    """Swap away every second copy of a sample on one rank (padding makes fewer than ``world`` copies),
+    preferring a partner rank on the same node, so locality is kept. Deterministic: ranks, positions
+    and partners are visited in order. In place."""
+    world = len(out)
+    for r in range(world):
+        _, counts = np.unique(out[r], return_counts=True)
+        if not (counts > 1).any():
+            continue
+        mine = set(out[r].tolist())
+        seen: set[int] = set()
+        for pos in range(len(out[r])):
+            v = int(out[r][pos])
+            if v not in seen:
+                seen.add(v)
+                continue
+            for q in sorted(range(world), key=lambda q: (node_of_rank[q] != node_of_rank[r], q)):
+                theirs = out[q].tolist()
+                if q == r or v in theirs:
+                    continue
+                p = next((i for i, w in enumerate(theirs) if w not in mine), None)
+                if p is None:
+                    continue
+                w = theirs[p]
+                out[r][pos], out[q][p] = w, v
+                mine.add(w)
+                seen.add(w)
+                break
 
 
 def _split(total: int, weights: np.ndarray) -> np.ndarray:
@@ -149,8 +184,24 @@ class LocalitySampler:
 
     ``owners`` must be the same array on every rank (take it once at the epoch's start on one rank and
     broadcast it, or pass a node list to :func:`owners_from_store` on every rank with the same slot
-    map). ``state_dict()`` carries the epoch, how many samples this rank has consumed and the owners'
-    digest; ``load_state_dict`` + the same owners continue the epoch exactly where it stopped.
+    map).
+
+    Resuming counts what was TRAINED, not what was fetched: a ``DataLoader`` draws indices ahead of the
+    training loop (``num_workers x prefetch_factor`` batches), so the iterator's position says nothing
+    about what the model has seen. The training loop reports each finished batch with
+    :meth:`mark_trained` (the consumer's side, as torchdata's ``StatefulDataLoader`` counts batches it
+    yielded, not ones its workers fetched); ``state_dict()`` records that count with the epoch, seed,
+    exchange, ``drop_last``, the rank layout and the owners' digest, and ``load_state_dict`` refuses a
+    state that differs in any of them (one line naming what differs). Without ``mark_trained`` calls a
+    resume replays the epoch from its start: samples are trained again, never skipped.
+
+        sampler = LocalitySampler(owners, node_of_rank, rank, seed=0)
+        loader = DataLoader(ds, batch_size=64, sampler=sampler, num_workers=4)
+        for epoch in ...:
+            sampler.set_epoch(epoch)
+            for x, y in loader:
+                train_step(x, y)
+                sampler.mark_trained(len(y))
     """
 
     def __init__(self, owners: np.ndarray | Sequence[int], node_of_rank: Sequence[int], rank: int, *,
@@ -158,17 +209,19 @@ class LocalitySampler:
         if not 0 <= rank < len(node_of_rank):
             raise ConfigError(f"locality sampler: rank {rank} is not in [0, {len(node_of_rank)})")
         self.owners = np.asarray(owners, dtype=np.int16)
-        self.node_of_rank = list(node_of_rank)
-        self.rank, self.seed, self.exchange, self.drop_last = int(rank), int(seed), float(exchange), drop_last
+        self.node_of_rank = [int(n) for n in node_of_rank]
+        self.rank, self.seed, self.exchange = int(rank), int(seed), float(exchange)
+        self.drop_last = bool(drop_last)
         self.epoch = 0
-        self.start = 0
+        self.start = 0  # where this epoch's iteration starts (the trained count of a resumed state)
+        self.trained = 0  # samples of this epoch the consumer reported trained (mark_trained)
         self._plan: EpochPlan | None = None
 
     def set_epoch(self, epoch: int, owners: np.ndarray | Sequence[int] | None = None) -> None:
         """Start epoch ``epoch`` (optionally with a new owners snapshot, identical on every rank)."""
         if owners is not None:
             self.owners = np.asarray(owners, dtype=np.int16)
-        self.epoch, self.start, self._plan = int(epoch), 0, None
+        self.epoch, self.start, self.trained, self._plan = int(epoch), 0, 0, None
 
     def plan(self) -> EpochPlan:
         if self._plan is None:
@@ -182,22 +235,37 @@ class LocalitySampler:
     def __iter__(self) -> Iterator[int]:
         mine = self.plan().per_rank[self.rank]
         for i in range(self.start, len(mine)):
-            self.start = i + 1
             yield int(mine[i])
 
+    def mark_trained(self, samples: int) -> None:
+        """Record that ``samples`` more of this epoch's indices (in iteration order) were trained."""
+        total = len(self.plan().per_rank[self.rank])
+        if samples < 0 or self.trained + samples > total:
+            raise ConfigError(f"locality sampler: mark_trained({samples}) after {self.trained} of this "
+                              f"rank's {total} samples this epoch; report each trained batch once")
+        self.trained += int(samples)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.start, "seed": self.seed, "exchange": self.exchange,
+        return {"format": 2, "epoch": self.epoch, "trained": self.trained, "seed": self.seed,
+                "exchange": self.exchange, "drop_last": self.drop_last,
+                "node_of_rank": list(self.node_of_rank), "rank": self.rank,
                 "owners_digest": owners_digest(self.owners)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != 2:
+            raise ConfigError("locality sampler: the state predates the trained-sample count and the rank "
+                              "layout record (it counted fetched samples); resume from an epoch start")
         if state.get("owners_digest") != owners_digest(self.owners):
             raise ConfigError("locality sampler: the checkpoint was planned with another owners snapshot "
                               "(slot map); resume with the owners array saved with it")
-        if state.get("seed") != self.seed or float(state.get("exchange", -1)) != self.exchange:
-            raise ConfigError(f"locality sampler: the checkpoint used seed {state.get('seed')} and exchange "
-                              f"{state.get('exchange')}; this run has {self.seed} and {self.exchange}")
+        now = {"seed": self.seed, "exchange": self.exchange, "drop_last": self.drop_last,
+               "node_of_rank": self.node_of_rank, "rank": self.rank}
+        diff = [f"{k} saved {state.get(k)!r}, now {v!r}" for k, v in now.items() if state.get(k) != v]
+        if diff:
+            raise ConfigError("locality sampler: the checkpoint's epoch cannot continue here: "
+                              + "; ".join(diff))
         self.set_epoch(int(state["epoch"]))
-        self.start = int(state["consumed"])
+        self.start = self.trained = int(state["trained"])
 
 
 def owners_from_store(store: Any, keys: Sequence[bytes], node_masters: Sequence[str]) -> np.ndarray:

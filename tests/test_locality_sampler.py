@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+import torch
 
 from client.locality_sampler import LocalitySampler, owners_digest, plan_epoch
 from datacache.config import ConfigError
@@ -84,16 +87,87 @@ def test_resume_mid_epoch_continues_exactly() -> None:
     s.set_epoch(5)
     it = iter(s)
     head = [next(it) for _ in range(37)]
+    s.mark_trained(37)
     state = s.state_dict()
     resumed = LocalitySampler(owners, ranks, rank=3, seed=4, exchange=0.1)
     resumed.load_state_dict(state)
-    assert head + list(resumed) == order
+    assert head + list(resumed) == order and len(resumed) == len(order) - 37
     moved = owners.copy()
     moved[:10] = (moved[:10] + 1) % 2  # another slot map: refused, not silently a different order
     other = LocalitySampler(moved, ranks, rank=3, seed=4, exchange=0.1)
     with pytest.raises(ConfigError, match="owners snapshot"):
         other.load_state_dict(state)
     assert owners_digest(moved) != owners_digest(owners)
+
+
+class _Ids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_state_counts_what_was_trained_not_what_the_loader_fetched() -> None:
+    """A DataLoader with 2 workers fetches batches ahead of the loop: after one trained batch of 4 the
+    state must say 4, and the resumed epoch must deliver the prefetched, untrained samples again."""
+    owners, ranks = _owners(200, 2), [0, 0, 1, 1]
+    s = LocalitySampler(owners, ranks, rank=1, seed=2)
+    s.set_epoch(0)
+    order = list(s)
+    loader = torch.utils.data.DataLoader(_Ids(), batch_size=4, sampler=s, num_workers=2,
+                                         multiprocessing_context="spawn")
+    it = iter(loader)
+    first = next(it).tolist()
+    time.sleep(1.0)  # let the workers prefetch (prefetch_factor 2 x 2 workers = 4 batches ahead)
+    s.mark_trained(len(first))
+    state = s.state_dict()
+    del it
+    assert first == order[:4] and state["trained"] == 4
+    resumed = LocalitySampler(owners, ranks, rank=1, seed=2)
+    resumed.load_state_dict(state)
+    again = [i for b in torch.utils.data.DataLoader(_Ids(), batch_size=4, sampler=resumed)
+             for i in b.tolist()]
+    assert first + again == order  # nothing skipped, nothing twice
+    with pytest.raises(ConfigError, match="report each trained batch once"):
+        resumed.mark_trained(len(order))
+
+
+def test_state_refuses_another_layout_drop_last_rank_or_an_old_format() -> None:
+    owners = _owners(100, 2)
+    s = LocalitySampler(owners, [0, 0, 1, 1], rank=0, seed=1, drop_last=False)
+    s.set_epoch(3)
+    s.mark_trained(5)
+    state = s.state_dict()
+    cases = [(LocalitySampler(owners, [0, 1, 2, 3], rank=0, seed=1), "node_of_rank saved [0, 0, 1, 1]"),
+             (LocalitySampler(owners, [0, 0, 1, 1], rank=0, seed=1, drop_last=True), "drop_last saved False"),
+             (LocalitySampler(owners, [0, 0, 1, 1], rank=2, seed=1), "rank saved 0, now 2"),
+             (LocalitySampler(owners, [0, 0, 1, 1], rank=0, seed=9), "seed saved 1, now 9")]
+    for other, what in cases:
+        with pytest.raises(ConfigError) as e:
+            other.load_state_dict(state)
+        assert what in str(e.value) and "\n" not in str(e.value)
+    old = {"epoch": 3, "consumed": 20, "seed": 1, "exchange": 0.0, "owners_digest": owners_digest(owners)}
+    with pytest.raises(ConfigError, match="predates"):
+        s.load_state_dict(old)
+
+
+@pytest.mark.parametrize("n,ranks", [(7, [0, 0, 0, 0]), (9, [0, 0, 1, 1]), (5, [0, 1, 2, 3]),
+                                     (13, [0, 0, 0, 1, 1, 1, 2, 2])])
+def test_padding_never_puts_a_copy_on_the_rank_of_its_original(n: int, ranks: list[int]) -> None:
+    """DistributedSampler's guarantee (checked on torch's own sampler first): every sample at least
+    once, fewer than world copies added, and no rank holds one sample twice -- for 200 seeds."""
+    world = len(ranks)
+    ref = [list(torch.utils.data.DistributedSampler(range(n), world, r, shuffle=True, seed=0))
+           for r in range(world)]
+    assert all(len(set(p)) == len(p) for p in ref)
+    for seed in range(200):
+        owners = np.random.default_rng(seed).integers(-1, max(ranks) + 1, n)
+        plan = plan_epoch(owners, ranks, seed=seed, epoch=0, exchange=0.1)
+        allv = np.concatenate(plan.per_rank).tolist()
+        assert set(allv) == set(range(n)) and len(allv) - n < world
+        for part in plan.per_rank:
+            assert len(set(part.tolist())) == len(part), (seed, plan.per_rank)
 
 
 def test_bad_arguments_are_clear() -> None:
