@@ -138,3 +138,47 @@ def test_validate_run_checks_every_phase_against_ranks_and_data() -> None:
     make_config(batch_size="0:64,20:1000", epochs=10).validate_run(1, 100)  # a phase that never runs
     with pytest.raises(ConfigError, match="batch_size 96"):
         make_config(batch_size="96", batch_per_rank=True, epochs=1).validate_run(4, 300)
+
+
+def test_other_training_files_mid_epoch_or_other_classes_are_refused(digits_data: dict, trained: str,
+                                                                     tmp_path) -> None:
+    """The checkpoint records the training split (count, class names, files in order): mid-epoch a
+    dataset with one file fewer, or the same count with one file renamed, would continue another sample
+    order; at any point other class folders would load a head trained for other classes."""
+    out = _copy(trained, tmp_path)
+    mid = os.path.join(out, "checkpoints", "step00000002")
+    fewer = str(tmp_path / "fewer")
+    shutil.copytree(digits_data["train"], fewer)
+    cls = sorted(os.listdir(fewer))[0]
+    victim = sorted(os.listdir(os.path.join(fewer, cls)))[0]
+    os.remove(os.path.join(fewer, cls, victim))
+    line = _one_error_line(_train({**digits_data, "train": fewer}, out, "--resume", mid))
+    assert f"{mid}/train.pt: saved mid-epoch on " in line and "--data" in line
+    renamed = str(tmp_path / "renamed")
+    shutil.copytree(digits_data["train"], renamed)
+    os.rename(os.path.join(renamed, cls, victim), os.path.join(renamed, cls, "zz_" + victim))
+    line = _one_error_line(_train({**digits_data, "train": renamed}, out, "--resume", mid))
+    assert "(other files or another order)" in line
+    moved = str(tmp_path / "moved" / "train")  # the same files elsewhere: the same split, it resumes
+    shutil.copytree(digits_data["train"], moved)
+    out_b = _copy(trained, tmp_path / "b")
+    ok = _train({**digits_data, "train": moved}, out_b, "--resume",
+                os.path.join(out_b, "checkpoints", "step00000002"))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    end = os.path.join(out, "checkpoints", "step00000003")  # epoch 1's end
+    assert checkpoint.load(end, 0, 1).pos.step == 0
+    other = str(tmp_path / "other_classes")
+    shutil.copytree(digits_data["train"], other)
+    os.rename(os.path.join(other, cls), os.path.join(other, "z_" + cls))
+    line = _one_error_line(_train({**digits_data, "train": other}, out, "--resume", end))
+    assert "trained on other class folders" in line
+
+
+def test_fingerprint_is_independent_of_the_root_and_follows_files_order_and_labels() -> None:
+    a = checkpoint.dataset_fingerprint(["cat", "dog"], [("cat/1.png", 0), ("dog/2.png", 1)], 2)
+    assert a == checkpoint.dataset_fingerprint(("cat", "dog"), iter([("cat/1.png", 0), ("dog/2.png", 1)]), 2)
+    assert a["files"] != checkpoint.dataset_fingerprint(["cat", "dog"], [("dog/2.png", 1), ("cat/1.png", 0)],
+                                                         2)["files"]
+    assert a["files"] != checkpoint.dataset_fingerprint(["cat", "dog"], [("cat/1.png", 1), ("dog/2.png", 1)],
+                                                         2)["files"]
+    assert a["classes"] != checkpoint.dataset_fingerprint(["cat", "cow"], [], 0)["classes"]

@@ -29,9 +29,11 @@ at a time, no fresh run over old checkpoints).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,10 +128,23 @@ def checkpoint_dir(out: str, global_step: int) -> str:
     return os.path.join(out, "checkpoints", f"step{global_step:08d}")
 
 
+def dataset_fingerprint(classes: Sequence[str], files: Iterable[tuple[str, int]],
+                        count: int) -> dict[str, Any]:
+    """What a checkpoint records of the training split: its size, a digest of the class names (the
+    model's head) and a digest of ``files``, the training samples in order as (path relative to the
+    dataset root, label) -- a dataset moved elsewhere keeps its fingerprint; other files, another order
+    or another split do not."""
+    classes_digest = hashlib.blake2b("\n".join(classes).encode(), digest_size=8).hexdigest()
+    h = hashlib.blake2b(digest_size=8)
+    for rel, target in files:
+        h.update(f"{rel}\0{int(target)}\n".encode("utf-8", "surrogateescape"))
+    return {"samples": int(count), "classes": classes_digest, "files": h.hexdigest()}
+
+
 def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          scaler: torch.amp.GradScaler | None, comm_state: dict[str, Any], schedules: dict[str, Any],
          config_json: str, world_size: int, pruner: Pruner | None = None,
-         sampler: dict[str, Any] | None = None) -> str:
+         sampler: dict[str, Any] | None = None, dataset: dict[str, Any] | None = None) -> str:
     """Write this rank's part of the checkpoint at ``pos`` (COLLECTIVE: every rank calls it); with
     a ``pruner`` rank 0 then deletes this run's checkpoints beyond its ``keep``."""
     d = checkpoint_dir(out, pos.global_step)
@@ -143,6 +158,7 @@ def save(out: str, *, rank: int, pos: Position, model: torch.nn.Module, optimize
             "scaler": scaler.state_dict() if scaler is not None else {},
             "schedules": json.dumps(schedules), "config": config_json, "world_size": world_size,
             "rng": torch.get_rng_state(), **({"sampler": sampler} if sampler is not None else {}),
+            **({"dataset": dataset} if dataset is not None else {}),
         }, os.path.join(d, "train.pt"))
     if dist.is_initialized():
         dist.barrier()  # every rank's file is complete before `latest` points at it
@@ -251,14 +267,31 @@ FIXED_FIELDS = ("model", "width", "optimizer")
 
 
 def check_resumable(loaded: Loaded, schedules_now: dict[str, Any], world_size: int, path: str,
-                    config_now: dict[str, Any] | None = None) -> None:
+                    config_now: dict[str, Any] | None = None,
+                    dataset_now: dict[str, Any] | None = None) -> None:
     """Refuse a resume that cannot continue the saved run. Runs BEFORE anything is loaded.
 
     Always: the model, its width and the optimizer must be the checkpoint's (their tensors are
-    shaped by them). Mid-epoch (``step > 0``) also the world size and every schedule value but the
-    LR: the remaining sample order depends on them. At an epoch end anything else may change.
+    shaped by them), and the class names (the model's head; :func:`dataset_fingerprint`).
+    Mid-epoch (``step > 0``) also the world size, the training files in order, and every schedule
+    value but the LR: the remaining sample order depends on them. At an epoch end anything else may
+    change. A checkpoint without a dataset record (older) is not checked for it.
     """
     file = os.path.join(path, "train.pt")
+    saved_data = loaded.train.get("dataset")
+    if dataset_now is not None and isinstance(saved_data, dict):
+        if saved_data.get("classes") != dataset_now["classes"]:
+            raise ConfigError(f"{file}: the checkpoint was trained on other class folders (the model's head "
+                              "differs); resume with the dataset it was made with, or start a new run in "
+                              "another --out")
+        if loaded.pos.step > 0 and (saved_data.get("samples"), saved_data.get("files")) != \
+                (dataset_now["samples"], dataset_now["files"]):
+            same_count = saved_data.get("samples") == dataset_now["samples"]
+            other = " (other files or another order)" if same_count else ""
+            raise ConfigError(f"{file}: saved mid-epoch on {saved_data.get('samples')} training files, now "
+                              f"{dataset_now['samples']}{other}; "
+                              "the remaining samples cannot be continued -- resume with the same --data "
+                              "(and split) or from an epoch-end checkpoint")
     saved = loaded.saved_config
     if config_now is not None:
         diff = {k: (saved.get(k), config_now.get(k)) for k in FIXED_FIELDS

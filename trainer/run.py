@@ -233,6 +233,11 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     else:
         sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
 
+    view = data.train.samples  # (root prefix + relative path, label), built per item
+    fingerprint = checkpoint.dataset_fingerprint(
+        data.train.classes, ((view[i][0][len(view.prefix):], view[i][1]) for i in data.train_idx),
+        len(data.train_idx))
+
     def read_checkpoint() -> checkpoint.Loaded | None:
         if not path:
             return None
@@ -244,7 +249,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             now = _schedules(cfg, loaded.pos.epoch, world, sampler.steps_in_epoch(), 0.0)
         else:
             now = {}
-        checkpoint.check_resumable(loaded, now, world, path, cfg.to_dict())
+        checkpoint.check_resumable(loaded, now, world, path, cfg.to_dict(), fingerprint)
         if loaded.pos.step > 0 and loaded.pos.epoch < cfg.epochs:
             _resume_sampler(cfg, loaded, sampler, os.path.join(path, "train.pt"))
         return loaded
@@ -307,7 +312,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first) -> None:
             g = g0 + step  # the global step just completed
             if cfg.checkpoint_every and g % cfg.checkpoint_every == 0 and step < steps:
-                _save(cfg, info, model, ctx, pruner, checkpoint.Position(epoch, step, g),
+                _save(cfg, info, model, ctx, pruner, fingerprint, checkpoint.Position(epoch, step, g),
                       _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]), sampler)
 
         stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
@@ -330,7 +335,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
                                               pin_memory=device.type == "cuda")
             v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
-        _save(cfg, info, model, ctx, pruner, checkpoint.Position(epoch + 1, 0, gstep),
+        _save(cfg, info, model, ctx, pruner, fingerprint, checkpoint.Position(epoch + 1, 0, gstep),
               _schedules(cfg, epoch, world, steps, stats.lr), sampler)
         logger.write("epoch", **rec)
         logger.say(epoch_line(rec, cfg.epochs))
@@ -361,9 +366,11 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
 
 
 def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pruner: checkpoint.Pruner,
-          pos: checkpoint.Position, schedules: dict[str, Any], sampler: DistributedBatchSampler) -> None:
+          dataset: dict[str, Any], pos: checkpoint.Position, schedules: dict[str, Any],
+          sampler: DistributedBatchSampler) -> None:
     state = sampler.state_dict() if isinstance(sampler, locality.LocalityBatchSampler) else None
     d = checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
                         scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
-                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner, sampler=state)
+                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner, sampler=state,
+                        dataset=dataset)
     log.info("checkpoint %s", d)
