@@ -182,3 +182,21 @@ def test_fingerprint_is_independent_of_the_root_and_follows_files_order_and_labe
     assert a["files"] != checkpoint.dataset_fingerprint(["cat", "dog"], [("cat/1.png", 1), ("dog/2.png", 1)],
                                                          2)["files"]
     assert a["classes"] != checkpoint.dataset_fingerprint(["cat", "cow"], [], 0)["classes"]
+
+
+def test_epoch_end_resume_on_more_ranks_re_splits_the_residuals(digits_data: dict, tmp_path) -> None:
+    """1 rank with NaiveAG (residuals in its comm state) -> torchrun with 2 ranks at the epoch end: the
+    residuals are re-split over the new ranks (logged), not dropped."""
+    out = str(tmp_path / "run")
+    first = _train(digits_data, out, "--epochs", "1", "--comm", "naive_ag", "--density", "0.05")
+    assert first.returncode == 0, first.stderr[-2000:]
+    d = checkpoint.resolve("auto", out)
+    saved = checkpoint.read_comm_states(d, 1)[0]["ef"]
+    assert saved["residuals"]  # something is owed
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "trainer",
+           *_args(digits_data, out, "--resume", "auto", "--comm", "naive_ag", "--density", "0.05")]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    both = proc.stdout + proc.stderr
+    assert "error-feedback residuals re-split, their sum kept" in both and "dropping residual" not in both

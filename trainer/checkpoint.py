@@ -239,6 +239,19 @@ def _check_comm(comm: dict[str, Any], file: str) -> None:
                           f"{str(e)[:200]}); {WHAT_TO_DO}") from None
 
 
+def read_comm_states(path: str, saved_world: int) -> list[dict[str, Any]]:
+    """Every saved rank's comm state (``comm_rank0.pt`` ... in rank order), each checked like
+    :func:`load` checks its own: what a resume on another world size or layout re-splits the
+    error-feedback residuals from (:mod:`trainer.comm.ef_reshard`)."""
+    states = []
+    for r in range(saved_world):
+        file = os.path.join(path, f"comm_rank{r}.pt")
+        comm = _read(file, "cpu")
+        _check_comm(comm, file)
+        states.append(comm)
+    return states
+
+
 def load(path: str, rank: int, world_size: int, map_location: torch.device | str = "cpu") -> Loaded:
     """Read a checkpoint directory (every rank reads ``train.pt`` and its own comm state). Reading
     changes nothing in the run: :func:`check_resumable` runs on the result before anything is applied."""

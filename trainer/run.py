@@ -126,6 +126,23 @@ def _resume_sampler(cfg: TrainConfig, loaded: checkpoint.Loaded, sampler: Distri
                           f"{checkpoint.WHAT_TO_DO}") from None
 
 
+def _comm_state(loaded: checkpoint.Loaded, path: str, world: int,
+                state: Any) -> tuple[dict[str, Any] | None, str]:
+    """This rank's comm state to load: its own file, or -- saved on another world size or layout -- the
+    counters of rank 0 and its share of every saved rank's error-feedback residuals, re-split so their
+    sum (what the model is owed) is kept (:mod:`trainer.comm.ef_reshard`)."""
+    from trainer.comm.ef_reshard import needs_reshard, reshard
+
+    topo = state.ensure_topology()
+    saved_world = int(loaded.train.get("world_size", world))
+    if saved_world == world and (loaded.comm is None or not needs_reshard(loaded.comm["ef"], topo)):
+        return loaded.comm, ""
+    states = checkpoint.read_comm_states(path, saved_world)
+    note = (f"; comm state saved on {saved_world} ranks, now {topo.world_size} ({topo.local_size} per node): "
+            "error-feedback residuals re-split, their sum kept")
+    return {**states[0], "ef": reshard([s["ef"] for s in states], topo)}, note
+
+
 def _say_locality(logger: MetricsLog, cfg: TrainConfig, cluster: Any, mine: str | None, why: str,
                   masters_by_node: list[str]) -> None:
     """One log line (rank 0) on the sampler and the local master."""
@@ -264,9 +281,10 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     optimizer = make_optimizer(cfg, model)
     amp = make_amp(cfg, device)
     if loaded is not None:
-        if loaded.comm is not None:
+        comm_state, comm_note = _comm_state(loaded, path or "", world, state)
+        if comm_state is not None:
             _apply("comm state", os.path.join(path or "", f"comm_rank{rank}.pt"),
-                   lambda: state.load_state_dict(loaded.comm), checkpoint.WHAT_TO_DO)
+                   lambda: state.load_state_dict(comm_state), checkpoint.WHAT_TO_DO)
         _apply("optimizer state", train_file, lambda: optimizer.load_state_dict(loaded.train["optimizer"]),
                hint)
         if amp.scaler is not None and loaded.train["scaler"]:
@@ -290,7 +308,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             x = torch.zeros((sampler.batch_size, 3, res, res), device=device).contiguous(memory_format=fmt)
             layout_warmup(ddp, state, (x, torch.zeros(sampler.batch_size, dtype=torch.long, device=device)),
                           ctx.loss_fn)
-        logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}")
+        logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}{comm_note}")
     pruner = checkpoint.Pruner(os.path.join(cfg.out, "checkpoints"), cfg.keep_checkpoints)
     _say_locality(logger, cfg, cluster, mine, why, masters_by_node)
     logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),

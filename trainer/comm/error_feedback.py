@@ -12,9 +12,9 @@ numel, world size, local size, local rank) and is only reused when all of it mat
 
 Resume on a different topology (world size, local size or rank changed): a residual's meaning
 depends on the topology (HiTopK chunks follow the local size, NaiveAG residuals belong to a
-rank), so mismatching residuals are DROPPED with a logged warning and counted in
-``dropped``. That loses at most one step's worth of unsent gradient per bucket, which error
-feedback tolerates; re-sharding would need every rank's residual at once.
+rank), so a mismatching residual loaded here is DROPPED with a logged warning and counted in
+``dropped``. Re-splitting needs every rank's residual at once: :mod:`trainer.comm.ef_reshard`
+does it from all saved ranks' states (the trainer's resume), keeping what the model is owed.
 
 Units: residuals are in averaged gradient units, and under fp16 AMP UNSCALED (true gradient
 units). The bucket the hook sees holds loss-scaled gradients (``GradScaler``'s current scale S);
