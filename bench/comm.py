@@ -204,6 +204,8 @@ def worker(a: argparse.Namespace) -> None:
 # =============================================================== parent (host namespace)
 def _launch(pair: Any, a: argparse.Namespace, tag: str, port: int, rate: float) -> dict[str, Any]:
     """Start ranks 0,1 in namespace A and 2,3 in B; return rank 0's measurements."""
+    from bench.common import wait_for_ranks
+
     master = pair.check_target(pair.addrs[0])
     with tempfile.TemporaryDirectory(prefix="dc-comm-") as tmp:
         result = Path(tmp) / "rank0.json"
@@ -223,28 +225,8 @@ def _launch(pair: Any, a: argparse.Namespace, tag: str, port: int, rate: float) 
             logs.append(log := open(Path(tmp) / f"rank{rank}.log", "w+"))  # noqa: SIM115 (closed below)
             procs.append(subprocess.Popen(pair.exec_argv(side, argv), cwd=ROOT, env=env, stdout=log,
                                           stderr=None if rank == 0 else log))
-        deadline = time.monotonic() + a.timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"{tag}: rank(s) {failed or 'all'} failed or timed out")
-                time.sleep(0.5)
-            if any(p.returncode != 0 for p in procs):
-                raise RuntimeError(f"{tag}: exit codes {[p.returncode for p in procs]}")
-            return json.loads(result.read_text())
-        except BaseException:
-            for log, r in zip(logs, range(4)):
-                log.seek(0)
-                print(f"--- rank {r} log tail ---\n{log.read()[-3000:]}", file=sys.stderr)
-            raise
-        finally:
-            for p in procs:  # only the processes started here, by handle
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
+        wait_for_ranks(procs, logs, tag, a.timeout)
+        return json.loads(result.read_text())
 
 
 def _analyse(raw: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:

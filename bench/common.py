@@ -190,6 +190,36 @@ def run_epochs(out: str) -> list[dict[str, Any]]:
         return [r for r in map(json.loads, f) if r["event"] == "epoch"]
 
 
+def wait_for_ranks(procs: Sequence[Any], logs: Sequence[Any], tag: str, timeout: float) -> None:
+    """Wait for every rank process (``subprocess.Popen``) to exit 0. A rank that fails, or ``timeout``
+    seconds passing, raises after printing each rank's log tail (``logs``: their open log files, same
+    order); the processes started by the caller -- only those, by handle -- are killed if still running
+    and the logs closed, whatever happened."""
+    import sys
+
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(f"{tag}: rank(s) {failed or 'all'} failed or timed out")
+            time.sleep(0.5)
+        if any(p.returncode != 0 for p in procs):
+            raise RuntimeError(f"{tag}: exit codes {[p.returncode for p in procs]}")
+    except BaseException:
+        for r, log in enumerate(logs):
+            log.seek(0)
+            print(f"--- rank {r} log tail ---\n{log.read()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+
+
 def launch_2x2(module: str, args: list[str], log: str, timeout: float = 1800.0) -> None:
     """``python -m module args`` as a 2-node job on loopback: two ``torchrun --nnodes 2 --nproc-per-node 2``
     agents (LOCAL_WORLD_SIZE = 2, so intra/inter-node groups are real), logs in ``<log>.node{0,1}.log``;

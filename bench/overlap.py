@@ -45,7 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, write_results
+from bench.common import RESULTS_DIR, machine_info, print_machine, save_figure, wait_for_ranks, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("allreduce", "torus", "naive_ag", "hitopk")
@@ -277,26 +277,8 @@ def _launch(c: Any, a: argparse.Namespace, tag: str, port: int) -> dict[str, Any
             logs.append(log := open(Path(tmp) / f"rank{rank}.log", "w+"))  # noqa: SIM115 (closed below)
             procs.append(c.run_on(rank, argv, env=env, cwd=ROOT, stdout=log,
                                   stderr=None if rank == 0 else log))
-        deadline = time.monotonic() + a.timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"{tag}: rank(s) {failed or 'all'} failed or timed out")
-                time.sleep(0.5)
-            return json.loads(result.read_text())
-        except BaseException:
-            for r, log in enumerate(logs):
-                log.seek(0)
-                print(f"--- rank {r} log tail ---\n{log.read()[-3000:]}", file=sys.stderr)
-            raise
-        finally:
-            for p in procs:  # only the processes started here, by handle
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
+        wait_for_ranks(procs, logs, tag, a.timeout)
+        return json.loads(result.read_text())
 
 
 def _worker_args(a: argparse.Namespace) -> list[str]:

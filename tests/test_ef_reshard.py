@@ -12,23 +12,12 @@ from torch import nn
 
 from tests.dist_utils import run_distributed, to_plain
 from tests.test_comm_algorithms import from_plain
+from tests.test_comm_overlap import CAP_MB, _batch, _model
 from trainer.comm.comm_config import CommConfig
 from trainer.comm.ef_reshard import owed, reshard, share
 from trainer.comm.error_feedback import ErrorFeedback
 from trainer.comm.state import HookState
 from trainer.comm.topology import Topology
-
-CAP_MB = 0.001
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
 def _make_residuals(rank: int, world: int, method: str) -> dict:
