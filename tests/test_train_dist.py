@@ -139,6 +139,15 @@ def test_resume_mid_epoch_reproduces_the_run_bit_for_bit(digits_data: dict, tmp_
     # the method switch happened in both, and validation after the last epoch agrees
     assert [e["comm_method"] for e in full[0]["epochs"]] == ["naive_ag", "allreduce"]
     assert resumed[0]["epochs"][-1]["val_top1"] == full[0]["epochs"][-1]["val_top1"]
+    # --overlap async (the comm thread) resumed from the same checkpoint: the same run, bit for bit,
+    # through the rest of the sparse epoch, the switch to dense and LARS/PTO
+    overlapped = run_distributed(_train_rank, world_size=2, local_size=1,
+                                 args=({**resumed_cfg, "overlap": "async", "out": str(tmp_path / "c")},))
+    for rank in range(2):
+        a, c = full[rank], overlapped[rank]
+        assert a["losses"][7:] == c["losses"]
+        for k, v in a["state"].items():
+            assert np.array_equal(v, c["state"][k]), k
 
 
 def _cuda_amp_rank(rank: int, world: int) -> dict:  # pragma: no cover - GPU only
