@@ -98,22 +98,13 @@ def _model_and_batch(name: str, a: argparse.Namespace, rank: int) -> tuple[Any, 
 
 
 # ================================================================ worker
-def _slowest(values: list[float]) -> list[float]:
+def _over_ranks(values: list[float], op: str) -> list[float]:
+    """Element-wise ``"max"`` (the slowest rank's step) or ``"sum"`` (every rank's CPU seconds) over ranks."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _summed(values: list[float]) -> list[float]:
-    """Element-wise sum over ranks (CPU seconds of every rank's process, all its threads)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
 
 
@@ -220,7 +211,8 @@ class _Runner:
     def result(self) -> dict[str, Any]:
         if self.state is not None:
             self.state.close()
-        return {"step_s": _slowest(self.steps), "cpu_s": self.cpu, "cpu_all_ranks_s": _summed(self.cpu),
+        return {"step_s": _over_ranks(self.steps, "max"), "cpu_s": self.cpu,
+                "cpu_all_ranks_s": _over_ranks(self.cpu, "sum"),
                 "comm_busy_s": self.busy, "comm_inline_s": self.inline, "timeline": self.timeline}
 
 

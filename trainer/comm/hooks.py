@@ -79,7 +79,6 @@ class _Plan:
     sparse: bool
     fp16: bool  # read here: fp16_wrapper's context variable does not reach the comm thread
     check: bool
-    warmup: bool
     key: str | None  # residual key (needs the GradBucket, which only lives during the hook call)
 
 
@@ -92,7 +91,7 @@ def _plan(state: HookState, bucket: Any, method: str, numel: int) -> _Plan:
     # decided from host facts that do not change while the comm thread works on earlier buckets.
     may_hold_residual = bool(state.ef) or cfg.schedule is not None or cfg.method in SPARSE_METHODS
     needs_key = sparse or (cfg.error_feedback and not warmup and may_hold_residual)
-    return _Plan(method, sparse, fp16, checks_finite(cfg.nan_check, fp16), warmup,
+    return _Plan(method, sparse, fp16, checks_finite(cfg.nan_check, fp16),
                  state.key_for(bucket) if needs_key else None)
 
 
