@@ -285,7 +285,7 @@ def _settle(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, rep
     # every owned sample was seen present after the stamp was taken: later passes may trust it
     state.memo.verified = (None if missing or work.stamp is None
                            else (work.stamp, work.own.prefix, work.own.digest, time.monotonic()))
-    state.status = "full" if not missing else ("budget" if at_budget else "filling")
+    status = "full" if not missing else ("budget" if at_budget else "filling")
     if at_budget and missing:
         log.warning("%s: node %s reached its memory budget (%d of %d bytes): %d of %d owned samples stay "
                     "uncached and are served from the source (MinIO policy)", state.spec.source, cfg.node,
@@ -293,8 +293,11 @@ def _settle(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, rep
     state.error = ""
     log.info("%s %s: pass %d: owned %d, cached %d, decoded %d, skipped %d (already cached), status %s",
              state.spec.source, work.tag, state.passes, state.owned, state.done,
-             rep.decoded if rep else 0, rep.skipped if rep else 0, state.status)
+             rep.decoded if rep else 0, rep.skipped if rep else 0, status)
+    # the report first, then the local status: a node whose /status says "full" has already
+    # published the figures every peer's cluster summary reads (best effort: a failed write is logged)
     _report(cfg, state, store, work.tag)
+    state.status = status
 
 
 LIST_CODE = ("import sys\nfrom datacache.manifest import Manifest\n"

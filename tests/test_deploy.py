@@ -288,7 +288,10 @@ def test_local_cluster_script_up_fill_down(tmp_path) -> None:
             try:
                 fills = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http + i}/status",
                                                            timeout=2).read()) for i in range(3)]
-                if all(f["datasets"] and f["datasets"][0]["status"] == "full" for f in fills):
+                # each node's own status and its cluster summary (every peer's report, published
+                # by that peer when it finished): the nodes finish at different moments
+                if all(f["datasets"] and f["datasets"][0]["status"] == "full"
+                       and (f["datasets"][0]["cluster"] or {}).get("full") for f in fills):
                     break
             except OSError:
                 pass
