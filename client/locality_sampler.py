@@ -59,13 +59,16 @@ def owners_digest(owners: np.ndarray) -> str:
     return hashlib.blake2b(a.tobytes(), digest_size=8).hexdigest()
 
 
-def _rng(seed: int, epoch: int, salt: int) -> np.random.Generator:
-    return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, salt])
+def _rng(seed: int, epoch: int, salt: int, part: int = 0) -> np.random.Generator:
+    key = [int(seed) & 0xFFFFFFFF, int(epoch) & 0xFFFFFFFF, salt]
+    return np.random.default_rng([*key, int(part)] if part else key)  # part 0: the original epoch streams
 
 
 def plan_epoch(owners: np.ndarray | Sequence[int], node_of_rank: Sequence[int], *, seed: int, epoch: int,
-               exchange: float = 0.0, drop_last: bool = False) -> EpochPlan:
-    """One epoch's plan (see the module docstring)."""
+               exchange: float = 0.0, drop_last: bool = False, part: int = 0) -> EpochPlan:
+    """One epoch's plan (see the module docstring). ``part`` > 0: the plan of the rest of an epoch
+    re-planned on another layout (``owners`` then lists the remaining samples only), drawn from
+    random streams of its own."""
     owners = np.asarray(owners, dtype=np.int64)
     node_of_rank = np.asarray(node_of_rank, dtype=np.int64)
     n, world = len(owners), len(node_of_rank)
@@ -86,7 +89,7 @@ def plan_epoch(owners: np.ndarray | Sequence[int], node_of_rank: Sequence[int], 
                           "with drop_last=True")
     need = ranks_on * per_rank
 
-    rng = _rng(seed, epoch, 1)
+    rng = _rng(seed, epoch, 1, part)
     # 1. each node's own samples, shuffled; unowned samples in one shuffled pool
     by_node = [rng.permutation(np.flatnonzero(owners == m)) for m in range(nodes)]
     free = rng.permutation(np.flatnonzero(owners < 0))
@@ -120,7 +123,7 @@ def plan_epoch(owners: np.ndarray | Sequence[int], node_of_rank: Sequence[int], 
             by_node[m] = np.concatenate([b, rng.choice(src, pad, replace=pad > len(src))])
     # 5. each node's list shuffled again and dealt to its ranks in equal contiguous parts
     out: list[np.ndarray] = [np.empty(0, np.int64)] * world
-    order_rng = _rng(seed, epoch, 2)
+    order_rng = _rng(seed, epoch, 2, part)
     for m in range(nodes):
         lst = order_rng.permutation(by_node[m])
         for j, r in enumerate(np.flatnonzero(node_of_rank == m)):

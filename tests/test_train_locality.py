@@ -202,3 +202,32 @@ def test_unreachable_cluster_at_an_epoch_start_gives_a_plain_shuffle_epoch(caplo
         owners = epoch_owners(dead, [b"dc:x:%d" % i for i in range(7)], ["127.0.0.1:1"])
     assert owners.dtype == np.int16 and owners.tolist() == [-1] * 7  # no node owns anything: plain shuffle
     assert "cannot read the slot map" in caplog.text and "ordinary exactly-once shuffle" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_node_joining_mid_epoch_re_plans_the_rest_once_and_local(digits_data, redis_cluster, cluster_url,
+                                                                   tmp_path) -> None:
+    """2 nodes stopped after step 2 of 5, resumed on 3 nodes (the third master's node joined): the
+    untrained samples are re-planned over the 3 ranks from the owners at resume time, each trained
+    once, each rank reading mostly its own master; global batch 72 kept (24 per rank)."""
+    keys = _fill(digits_data["val"], cluster_url)
+    n = len(keys)
+    masters = [m.addr for m in redis_cluster.masters[:3]]
+    owners, _ = _owner_and_size(redis_cluster, keys)
+    cfg = _cfg(digits_data, cluster_url, str(tmp_path / "a"), epochs=1, checkpoint_every=2)
+    two = run_distributed(_rank, world_size=2, local_size=1, args=(cfg, masters[:2]))
+    first = [i for r in two for e, s, ix in r["seen"] if e == 0 and s < 2 for i in ix]
+    ckpt = tmp_path / "a" / "checkpoints" / "step00000002"
+    resumed_cfg = {**cfg, "resume": str(ckpt), "out": str(tmp_path / "b")}
+    three = run_distributed(_rank, world_size=3, local_size=1, args=(resumed_cfg, masters))
+    rest = [[i for e, _, ix in r["seen"] if e == 0 for i in ix] for r in three]
+    for r in three:
+        assert [s for e, s, _ in r["seen"]] == [2, 3, 4] and all(len(ix) == 24 for _, _, ix in r["seen"])
+    assert len(first) == len(set(first)) == 2 * 72
+    both = first + [i for part in rest for i in part]
+    # 215 left = 3 ranks x 72 - 1: one padded copy, as DistributedSampler pads; every sample trained
+    assert sorted(set(both)) == list(range(n)) and len(both) == n + 1
+    assert not set(first) & {i for part in rest for i in part}  # nothing of the first 2 steps again
+    local = sum(owners[i] == masters[rank] for rank, part in enumerate(rest) for i in part)
+    assert local >= 0.8 * sum(len(p) for p in rest), local
+    assert three[0]["epochs"][0]["planned_local_fraction"] >= 0.8

@@ -279,16 +279,18 @@ def load(path: str, rank: int, world_size: int, map_location: torch.device | str
 FIXED_FIELDS = ("model", "width", "optimizer")
 
 
-def check_resumable(loaded: Loaded, schedules_now: dict[str, Any], world_size: int, path: str,
+def check_resumable(loaded: Loaded, schedules_now: dict[str, Any], path: str,
                     config_now: dict[str, Any] | None = None,
-                    dataset_now: dict[str, Any] | None = None) -> None:
+                    dataset_now: dict[str, Any] | None = None, *, replanned: bool = False) -> None:
     """Refuse a resume that cannot continue the saved run. Runs BEFORE anything is loaded.
 
     Always: the model, its width and the optimizer must be the checkpoint's (their tensors are
     shaped by them), and the class names (the model's head; :func:`dataset_fingerprint`).
-    Mid-epoch (``step > 0``) also the world size, the training files in order, and every schedule
-    value but the LR: the remaining sample order depends on them. At an epoch end anything else may
-    change. A checkpoint without a dataset record (older) is not checked for it.
+    Mid-epoch (``step > 0``) also the training files in order, and every schedule value in
+    ``schedules_now`` but the LR (the run's values at the resumed epoch; empty: not checked). The
+    world size and rank layout may change mid-epoch: the rest of the epoch is then re-planned
+    (:mod:`trainer.epoch_rest`, ``replanned``: its step count differs by design). At an epoch end
+    anything else may change. A checkpoint without a dataset record (older) is not checked for it.
     """
     file = os.path.join(path, "train.pt")
     saved_data = loaded.train.get("dataset")
@@ -316,13 +318,9 @@ def check_resumable(loaded: Loaded, schedules_now: dict[str, Any], world_size: i
                               f"resume with {flags}, or start a new run in another --out")
     if loaded.pos.step == 0:
         return  # an epoch boundary: world size and schedules may change from here
-    saved_world = int(loaded.train.get("world_size", world_size))
-    if saved_world != world_size:
-        raise ConfigError(f"{file}: saved mid-epoch with {saved_world} ranks, now {world_size}; the "
-                          "remaining sample order cannot be continued -- resume from an epoch-end "
-                          f"checkpoint or with {saved_world} ranks")
+    free = ("lr", "steps_in_epoch") if replanned else ("lr",)
     diff = {k: (loaded.schedules.get(k), v) for k, v in schedules_now.items()
-            if k != "lr" and loaded.schedules.get(k) != v}
+            if k not in free and loaded.schedules.get(k) != v}
     if diff:
         raise ConfigError(f"{file}: the schedules differ from the checkpoint's mid-epoch ({diff}); "
                           "resume with the same config, or from an epoch-end checkpoint")

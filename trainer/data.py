@@ -10,6 +10,9 @@
   rank)``, and can start an epoch at any step: a resumed run sees exactly the remaining batches.
   It runs in the main process, so changing the batch size between epochs works with
   persistent loader workers.
+* :class:`EpochRest` -- the rest of an epoch resumed on another world size or layout: the samples
+  not yet trained that epoch, re-planned over the new ranks from the resumed step on
+  (:mod:`trainer.epoch_rest`); the sampler's :meth:`~DistributedBatchSampler.state_dict` carries it.
 * :func:`train_loader` / :func:`val_loader` -- ``DataLoader``\\ s over ``CachedImageNet`` whose
   workers only cut crop windows (:mod:`client.crop`); the device finishes the augmentation.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +50,43 @@ def split_indices(labels: Sequence[int], val_fraction: float, seed: int) -> tupl
     return sorted(train), sorted(val)
 
 
+@dataclass(frozen=True)
+class EpochRest:
+    """Part ``part`` (1, 2, ...) of epoch ``epoch``: from step ``start_step`` on, ``batch`` samples per
+    rank over the samples not yet trained this epoch. ``trained`` holds one flag per position of the
+    sampler's ``indices``: trained (on any rank, in any earlier part) before ``start_step``."""
+
+    epoch: int
+    part: int
+    start_step: int
+    batch: int
+    trained: np.ndarray
+
+    def remaining(self) -> np.ndarray:
+        """Positions (into the sampler's ``indices``) not trained before ``start_step``, ascending."""
+        return np.flatnonzero(~self.trained)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "part": self.part, "start_step": self.start_step, "batch": self.batch,
+                "n": len(self.trained), "trained": torch.from_numpy(np.packbits(self.trained))}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], n: int) -> EpochRest:
+        """The saved rest of an epoch over ``n`` samples; ConfigError if it does not fit."""
+        try:
+            epoch, part, start, batch, saved_n = (int(state[k]) for k in ("epoch", "part", "start_step",
+                                                                          "batch", "n"))
+            packed = np.asarray(state["trained"], dtype=np.uint8)
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError("damaged epoch-rest record in the sampler state") from None
+        if saved_n != n:
+            raise ConfigError(f"the sampler state's epoch-rest record is for {saved_n} samples, this run "
+                              f"has {n}")
+        if packed.shape != ((n + 7) // 8,) or min(epoch, start, batch - 1, part - 1) < 0:
+            raise ConfigError("damaged epoch-rest record in the sampler state")
+        return cls(epoch, part, start, batch, np.unpackbits(packed, count=n).astype(bool))
+
+
 class DistributedBatchSampler:
     """Per-rank batches of ``indices`` (see the module docstring). Call :meth:`set_epoch` before
     each epoch."""
@@ -63,12 +104,18 @@ class DistributedBatchSampler:
         self.batch_size = 1
         self.start_step = 0
         self.max_steps = 0
+        self.rest: EpochRest | None = None  # set by a resume on another world size or layout
 
     def set_epoch(self, epoch: int, batch_size: int, start_step: int = 0, max_steps: int = 0) -> None:
         """Epoch ``epoch`` with per-rank ``batch_size``, starting at step ``start_step``;
-        ``max_steps`` > 0 ends the epoch early."""
+        ``max_steps`` > 0 ends the epoch early. For the epoch of :attr:`rest`, ``batch_size`` must be
+        its batch and ``start_step`` at least its first step."""
         self.epoch, self.batch_size = int(epoch), int(batch_size)
         self.start_step, self.max_steps = int(start_step), int(max_steps)
+        rest = self.current_rest()
+        if rest is not None and (self.batch_size != rest.batch or self.start_step < rest.start_step):
+            raise ValueError(f"epoch {epoch} was re-planned from step {rest.start_step} with {rest.batch} "
+                             f"per rank; asked for batch {batch_size} from step {start_step}")
         if self.steps_in_epoch() == 0:
             raise ConfigError(f"per-rank batch {batch_size} x {self.world_size} ranks is larger than the "
                               f"{len(self.indices)} training samples: lower --batch-size")
@@ -76,19 +123,80 @@ class DistributedBatchSampler:
             raise ConfigError(f"start step {start_step} is outside epoch {epoch}'s {self.steps_in_epoch()} "
                               "steps (a checkpoint from another batch size or dataset?)")
 
-    def rank_order(self) -> np.ndarray:
-        """This rank's sample order for the current epoch (DistributedSampler's, shuffle=True)."""
+    def current_rest(self) -> EpochRest | None:
+        """:attr:`rest` when it is the current epoch's (re-planned) remainder, else None."""
+        return self.rest if self.rest is not None and self.rest.epoch == self.epoch else None
+
+    def plan(self) -> list[np.ndarray]:
+        """Every rank's sample order for the current epoch (or, when re-planned, for its rest), as
+        positions into ``indices``."""
+        rest = self.current_rest()
+        if rest is None:
+            return self._plan_epoch()
+        sub = rest.remaining()
+        if len(sub) == 0:
+            return [np.empty(0, dtype=np.int64) for _ in range(self.world_size)]
+        return [sub[p] for p in self._plan_subset(sub, rest.part)]
+
+    def _plan_epoch(self) -> list[np.ndarray]:
+        """DistributedSampler's order (shuffle=True): a permutation seeded with ``seed + epoch``, padded
+        by wrapping to a multiple of the world size, rank ``r`` taking every ``world``-th from ``r``."""
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(len(self.indices), generator=g).numpy()
+        return self._deal(perm)
+
+    def _plan_subset(self, sub: np.ndarray, part: int) -> list[np.ndarray]:
+        """Part ``part`` of a re-planned epoch: the ``len(sub)`` remaining samples (positions into
+        ``sub``) shuffled with a generator of its own (seed, epoch, part) and dealt like an epoch."""
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.epoch & 0xFFFFFFFF, 3, int(part)])
+        return self._deal(rng.permutation(len(sub)))
+
+    def _deal(self, perm: np.ndarray) -> list[np.ndarray]:
         total = math.ceil(len(perm) / self.world_size) * self.world_size
-        perm = np.concatenate([perm, perm[: total - len(perm)]]) if total > len(perm) else perm
-        return self.indices[perm[self.rank:total:self.world_size]]
+        perm = np.resize(perm, total)  # pads by repeating from the start (fewer than `world` copies)
+        return [perm[r:total:self.world_size] for r in range(self.world_size)]
+
+    def rank_order(self) -> np.ndarray:
+        """This rank's sample order for the current epoch (or its re-planned rest)."""
+        return self.indices[self.plan()[self.rank]]
 
     def steps_in_epoch(self) -> int:
-        """Steps of the whole epoch (before ``start_step``), capped by ``max_steps``."""
-        per_rank = math.ceil(len(self.indices) / self.world_size)
-        steps = per_rank // self.batch_size
+        """Steps of the whole epoch (before ``start_step``), capped by ``max_steps``; a re-planned
+        epoch has the steps before its rest plus the steps of the rest."""
+        rest = self.current_rest()
+        if rest is None:
+            steps = math.ceil(len(self.indices) / self.world_size) // self.batch_size
+        else:
+            steps = rest.start_step + math.ceil(len(rest.remaining()) / self.world_size) // self.batch_size
         return min(steps, self.max_steps) if self.max_steps > 0 else steps
+
+    def trained_mask(self, steps: int) -> np.ndarray:
+        """One flag per position of ``indices``: trained on some rank once the first ``steps`` steps of
+        the current epoch ran (every rank runs the same steps). Padding copies count as their sample."""
+        rest = self.current_rest()
+        first = rest.start_step if rest is not None else 0
+        if not first <= steps <= self.steps_in_epoch():
+            raise ValueError(f"step {steps} is outside the planned part of epoch {self.epoch} "
+                             f"(steps {first} to {self.steps_in_epoch()})")
+        mask = rest.trained.copy() if rest is not None else np.zeros(len(self.indices), dtype=bool)
+        k = (steps - first) * self.batch_size
+        for order in self.plan():
+            mask[order[:k]] = True
+        return mask
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a mid-epoch checkpoint needs beyond ``(seed, epoch, step)``: the re-planned rest of the
+        current epoch, if it has one (an ordinary epoch is a function of the seed and the world)."""
+        rest = self.current_rest()
+        return {"kind": "global", "seed": self.seed, **({"rest": rest.state_dict()} if rest else {})}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a saved epoch on the same world: restores its re-planned rest, if any."""
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise ConfigError(f"the checkpoint's sampler used seed {state['seed']}, this run {self.seed}: "
+                              "resume with the same --seed")
+        saved = state.get("rest")
+        self.rest = EpochRest.from_state(saved, len(self.indices)) if saved is not None else None
 
     def __len__(self) -> int:
         return self.steps_in_epoch() - self.start_step
@@ -96,8 +204,10 @@ class DistributedBatchSampler:
     def __iter__(self) -> Iterator[BatchRequest]:
         order = self.rank_order()
         b = self.batch_size
+        rest = self.current_rest()
+        first = rest.start_step if rest is not None else 0
         for step in range(self.start_step, self.steps_in_epoch()):
-            chunk = order[step * b:(step + 1) * b]
+            chunk = order[(step - first) * b:(step - first + 1) * b]
             yield BatchRequest(tuple(chunk.tolist()), self.epoch, step, self.rank)
 
 

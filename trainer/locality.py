@@ -132,25 +132,38 @@ class LocalityBatchSampler(DistributedBatchSampler):
             raise ConfigError(f"owners has {len(owners)} entries for {len(self.indices)} samples")
         self.owners = owners
 
-    def rank_order(self) -> np.ndarray:
-        plan = plan_epoch(self.owners, self.node_of_rank, seed=self.seed, epoch=self.epoch,
-                          exchange=self.exchange)
-        return self.indices[plan.per_rank[self.rank]]
+    def _plan_epoch(self) -> list[np.ndarray]:
+        return plan_epoch(self.owners, self.node_of_rank, seed=self.seed, epoch=self.epoch,
+                          exchange=self.exchange).per_rank
+
+    def _plan_subset(self, sub: np.ndarray, part: int) -> list[np.ndarray]:
+        # the rest of a re-planned epoch: the same plan over the remaining samples' owners (the
+        # snapshot taken when the run resumed), its own random streams
+        return plan_epoch(self.owners[sub], self.node_of_rank, seed=self.seed, epoch=self.epoch,
+                          exchange=self.exchange, part=part).per_rank
 
     def local_fraction(self) -> float:
-        return plan_epoch(self.owners, self.node_of_rank, seed=self.seed, epoch=self.epoch,
-                          exchange=self.exchange).local_fraction
+        """Of the planned samples that have an owner on a training node, the fraction read on it."""
+        nodes = max(self.node_of_rank) + 1
+        local = owned = 0
+        for r, order in enumerate(self.plan()):
+            own = self.owners[order]
+            local += int((own == self.node_of_rank[r]).sum())
+            owned += int(((own >= 0) & (own < nodes)).sum())
+        return local / owned if owned else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to continue this epoch in the same order: the owners snapshot, the
-        plan's options and the rank layout the plan was made for (the node of every rank)."""
-        return {"owners": torch.from_numpy(self.owners.copy()), "digest": owners_digest(self.owners),
-                "exchange": self.exchange, "seed": self.seed, "node_of_rank": list(self.node_of_rank)}
+        plan's options, the rank layout the plan was made for (the node of every rank) and the
+        re-planned rest of the epoch, if it has one."""
+        return {**super().state_dict(), "kind": "local", "owners": torch.from_numpy(self.owners.copy()),
+                "digest": owners_digest(self.owners), "exchange": self.exchange,
+                "node_of_rank": list(self.node_of_rank)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a saved epoch. Refuses (ConfigError, one line) another --exchange or --seed, and
-        another rank layout: the plan gives each NODE its share, so the same world size split over
-        other nodes (2 x 4 -> 4 x 2) would train some samples twice and others never this epoch."""
+        """Continue a saved epoch on the same layout. Refuses (ConfigError, one line) another --exchange
+        or --seed, and another rank layout (the plan gives each NODE its share: another layout re-plans
+        the rest of the epoch instead, :mod:`trainer.epoch_rest`)."""
         if float(state["exchange"]) != self.exchange or int(state["seed"]) != self.seed:
             raise ConfigError(f"the checkpoint's sampler used exchange {state['exchange']} and seed "
                               f"{state['seed']}; this run has {self.exchange} and {self.seed}: resume with "
@@ -160,14 +173,13 @@ class LocalityBatchSampler(DistributedBatchSampler):
             raise ConfigError("the checkpoint's locality sampler state predates the rank-layout record, so "
                               "its epoch cannot be continued safely: resume from an epoch-end checkpoint")
         if [int(n) for n in saved_layout] != self.node_of_rank:
-            raise ConfigError(f"the epoch was planned for {describe_layout(saved_layout)}, this run is "
-                              f"{describe_layout(self.node_of_rank)}; its remaining samples cannot be "
-                              "continued on another layout: resume with the saved layout (torchrun "
-                              "--nnodes / --nproc-per-node) or from an epoch-end checkpoint")
+            raise ConfigError(f"the epoch was planned for {describe_layout(saved_layout)}, this sampler is "
+                              f"{describe_layout(self.node_of_rank)}")
         owners = np.asarray(state["owners"], dtype=np.int16)
         if owners_digest(owners) != state["digest"]:
             raise ConfigError("the checkpoint's sampler state is damaged (owners digest mismatch)")
         self.set_owners(owners)
+        super().load_state_dict(state)
 
 
 # ------------------------------------------------------------ wiring into a training run

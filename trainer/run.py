@@ -34,6 +34,7 @@ from trainer.build import channels_last, layout_warmup, make_amp, make_ddp, make
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
+from trainer.epoch_rest import continue_epoch
 from trainer.loop import EpochStats, StepContext, train_epoch, validate
 from trainer.metrics import MetricsLog, epoch_line
 from trainer.rundir import RunLock, check_fresh_start
@@ -80,8 +81,8 @@ def open_data(cfg: TrainConfig, cache: str = "") -> Data:
     return Data(train, train, tr, va)
 
 
-def _schedules(cfg: TrainConfig, epoch: int, world: int, steps: int, lr: float) -> dict[str, Any]:
-    return {"lr": lr, "global_batch": cfg.global_batch(epoch, world), "seed": cfg.seed,
+def _schedules(cfg: TrainConfig, epoch: int, gbs: int, steps: int, lr: float) -> dict[str, Any]:
+    return {"lr": lr, "global_batch": gbs, "seed": cfg.seed,
             "resolution": cfg.resolution_schedule.at(epoch), "comm_method": cfg.comm_schedule.at(epoch),
             "steps_in_epoch": steps}
 
@@ -104,26 +105,36 @@ def _gather_over_ranks(values: list[int], device: torch.device) -> list[list[int
 
 
 def _resume_sampler(cfg: TrainConfig, loaded: checkpoint.Loaded, sampler: DistributedBatchSampler,
-                    file: str) -> None:
-    """A mid-epoch resume continues the saved sample order: the same --sampler, and with ``local`` the
-    owners snapshot the epoch was planned with (the cluster may have resharded since)."""
+                    file: str) -> str:
+    """A mid-epoch resume continues the saved epoch with the same --sampler: its saved plan on the same
+    world and layout, else its untrained samples re-planned over this run's ranks (:mod:`trainer.epoch_rest`;
+    ``local`` then plans them from a fresh owners snapshot). Returns the log note ("" when continued)."""
     saved = str(loaded.saved_config.get("sampler", "global"))
     if saved != cfg.sampler:
         raise ConfigError(f"{file}: saved mid-epoch with --sampler {saved}, now {cfg.sampler}; resume with "
                           f"--sampler {saved} (or from an epoch-end checkpoint)")
-    if not isinstance(sampler, locality.LocalityBatchSampler):
-        return
     state = loaded.train.get("sampler")
-    if not isinstance(state, dict):
+    if state is not None and not isinstance(state, dict):
+        raise ConfigError(f"{file}: damaged sampler state; {checkpoint.WHAT_TO_DO}")
+    if isinstance(sampler, locality.LocalityBatchSampler) and state is None:
         raise ConfigError(f"{file}: lacks the locality sampler's state (owners snapshot); "
                           f"{checkpoint.WHAT_TO_DO}")
     try:
-        sampler.load_state_dict(state)
+        saved_world = int(loaded.train.get("world_size", sampler.world_size))
+        return continue_epoch(sampler, state, saved_world=saved_world,
+                              global_batch=int(loaded.schedules["global_batch"]), epoch=loaded.pos.epoch,
+                              step=loaded.pos.step)
     except ConfigError as e:
         raise ConfigError(f"{file}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{file}: damaged locality sampler state ({type(e).__name__}); "
+        raise ConfigError(f"{file}: damaged sampler state ({type(e).__name__}); "
                           f"{checkpoint.WHAT_TO_DO}") from None
+
+
+def _epoch_batch(cfg: TrainConfig, sampler: DistributedBatchSampler, epoch: int, world: int) -> int:
+    """The global batch of ``epoch``: the config's, or the kept one of a re-planned resumed epoch."""
+    rest = sampler.rest
+    return rest.batch * world if rest is not None and rest.epoch == epoch else cfg.global_batch(epoch, world)
 
 
 def _comm_state(loaded: checkpoint.Loaded, path: str, world: int,
@@ -255,20 +266,25 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         data.train.classes, ((view[i][0][len(view.prefix):], view[i][1]) for i in data.train_idx),
         len(data.train_idx))
 
+    replan_note = ""
+
     def read_checkpoint() -> checkpoint.Loaded | None:
+        nonlocal replan_note
         if not path:
             return None
         # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
         loaded = checkpoint.load(path, rank, world, map_location="cpu")
+        checkpoint.check_resumable(loaded, {}, path, cfg.to_dict(), fingerprint)  # model, optimizer, data
+        now: dict[str, Any] = {}
         if loaded.pos.epoch < cfg.epochs:
-            sampler.set_epoch(loaded.pos.epoch, cfg.global_batch(loaded.pos.epoch, world) // world, 0,
-                              cfg.steps_per_epoch)
-            now = _schedules(cfg, loaded.pos.epoch, world, sampler.steps_in_epoch(), 0.0)
-        else:
-            now = {}
-        checkpoint.check_resumable(loaded, now, world, path, cfg.to_dict(), fingerprint)
-        if loaded.pos.step > 0 and loaded.pos.epoch < cfg.epochs:
-            _resume_sampler(cfg, loaded, sampler, os.path.join(path, "train.pt"))
+            if loaded.pos.step > 0:  # the sampler only: continued, or the rest of the epoch re-planned
+                replan_note = _resume_sampler(cfg, loaded, sampler, os.path.join(path, "train.pt"))
+            gbs = _epoch_batch(cfg, sampler, loaded.pos.epoch, world)
+            rest = sampler.rest
+            first = rest.start_step if rest is not None and rest.epoch == loaded.pos.epoch else 0
+            sampler.set_epoch(loaded.pos.epoch, gbs // world, first, cfg.steps_per_epoch)
+            now = _schedules(cfg, loaded.pos.epoch, gbs, sampler.steps_in_epoch(), 0.0)
+        checkpoint.check_resumable(loaded, now, path, replanned=bool(replan_note))  # the schedules
         return loaded
 
     loaded = _agree(read_checkpoint)  # everything checked before anything is applied
@@ -308,7 +324,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             x = torch.zeros((sampler.batch_size, 3, res, res), device=device).contiguous(memory_format=fmt)
             layout_warmup(ddp, state, (x, torch.zeros(sampler.batch_size, dtype=torch.long, device=device)),
                           ctx.loss_fn)
-        logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}{comm_note}")
+        logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}{replan_note}{comm_note}")
     pruner = checkpoint.Pruner(os.path.join(cfg.out, "checkpoints"), cfg.keep_checkpoints)
     _say_locality(logger, cfg, cluster, mine, why, masters_by_node)
     logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),
@@ -317,21 +333,23 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     val_loaders: dict[int, Any] = {}  # one persistent loader per resolution
     for epoch in range(start_epoch, cfg.epochs):
         res = cfg.resolution_schedule.at(epoch)
-        gbs = cfg.global_batch(epoch, world)
+        gbs = _epoch_batch(cfg, sampler, epoch, world)
         first = start_step if epoch == start_epoch else 0
         sampler.set_epoch(epoch, gbs // world, first, cfg.steps_per_epoch)
-        if isinstance(sampler, locality.LocalityBatchSampler) and cluster is not None and not (
-                loaded is not None and epoch == start_epoch and first > 0):  # resumed: the saved owners
+        continued = loaded is not None and epoch == start_epoch and first > 0 and not replan_note
+        if isinstance(sampler, locality.LocalityBatchSampler) and cluster is not None and not continued:
+            # a new epoch, or the re-planned rest of one: a fresh snapshot; continued: the saved owners
             sampler.set_owners(locality.epoch_owners(cluster, keys, masters_by_node,
                                                      n=len(data.train_idx)))  # COLLECTIVE
         steps = sampler.steps_in_epoch()
         before = data.train.stats()
 
-        def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first) -> None:
+        def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first,
+                    gbs: int = gbs) -> None:
             g = g0 + step  # the global step just completed
             if cfg.checkpoint_every and g % cfg.checkpoint_every == 0 and step < steps:
                 _save(cfg, info, model, ctx, pruner, fingerprint, checkpoint.Position(epoch, step, g),
-                      _schedules(cfg, epoch, world, steps, optimizer.param_groups[0]["lr"]), sampler)
+                      _schedules(cfg, epoch, gbs, steps, optimizer.param_groups[0]["lr"]), sampler)
 
         stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
                             start_step=first, progress=cfg.progress and info.is_main,
@@ -354,7 +372,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
         _save(cfg, info, model, ctx, pruner, fingerprint, checkpoint.Position(epoch + 1, 0, gstep),
-              _schedules(cfg, epoch, world, steps, stats.lr), sampler)
+              _schedules(cfg, epoch, gbs, steps, stats.lr), sampler)
         logger.write("epoch", **rec)
         logger.say(epoch_line(rec, cfg.epochs))
         result.epochs.append(rec)
@@ -386,9 +404,9 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
 def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pruner: checkpoint.Pruner,
           dataset: dict[str, Any], pos: checkpoint.Position, schedules: dict[str, Any],
           sampler: DistributedBatchSampler) -> None:
-    state = sampler.state_dict() if isinstance(sampler, locality.LocalityBatchSampler) else None
     d = checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
                         scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
-                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner, sampler=state,
+                        config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner,
+                        sampler=sampler.state_dict(),
                         dataset=dataset)
     log.info("checkpoint %s", d)
