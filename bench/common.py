@@ -224,6 +224,12 @@ def launch_2x2(module: str, args: list[str], log: str, timeout: float = 1800.0) 
     """``python -m module args`` as a 2-node job on loopback: two ``torchrun --nnodes 2 --nproc-per-node 2``
     agents (LOCAL_WORLD_SIZE = 2, so intra/inter-node groups are real), logs in ``<log>.node{0,1}.log``;
     raises on any failure, and kills an agent still running after ``timeout`` seconds."""
+    launch_nodes(module, args, log, timeout, nodes=2, per_node=2)
+
+
+def launch_nodes(module: str, args: list[str], log: str, timeout: float = 1800.0, *, nodes: int = 2,
+                 per_node: int = 2) -> None:
+    """:func:`launch_2x2` for ``nodes`` x ``per_node`` ranks (one torchrun agent per emulated node)."""
     import subprocess
     import sys
 
@@ -232,10 +238,10 @@ def launch_2x2(module: str, args: list[str], log: str, timeout: float = 1800.0) 
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port, "-m", module,
-               *args]
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node",
+               str(per_node), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+               "-m", module, *args]
         with open(f"{log}.node{node}.log", "w") as f:
             procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + timeout

@@ -667,18 +667,27 @@ class EmuCluster:
         return subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], env=full, **popen_kw)
 
     def torchrun_argv(self, node: int, script_argv: Sequence[str], *, nproc_per_node: int = 1,
-                      rdzv_port: int = 29400, rdzv_id: str | None = None) -> list[str]:
+                      rdzv_port: int = 29400, rdzv_id: str | None = None, nnodes: str | None = None,
+                      launcher: Sequence[str] = ()) -> list[str]:
         """``torchrun`` argv for ``node``'s agent: ``--nnodes N``, c10d rendezvous on node 0's address.
         Node 0's agent hosts the store (``is_host`` explicit: torchrun's own guess compares the endpoint
         with the hostname's addresses, and the hostname resolves to 127.0.0.1 in every namespace).
-        Start it with :meth:`run_on` on every node."""
+        Start it with :meth:`run_on` on every node. An elastic job: ``nnodes="MIN:MAX"`` and torchrun's
+        own options in ``launcher`` (e.g. ``--max-restarts=3``; a ``--rdzv-conf=`` there is merged)."""
         if not 1 <= rdzv_port <= 65535:
             raise EmuError(f"rdzv_port must be 1..65535, got {rdzv_port}")
         host = self.check_target(self.addrs[0])
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(self.addrs)}",
+        conf = [f"is_host={int(node == 0)}"]
+        extra = []
+        for a in launcher:
+            if a.startswith("--rdzv-conf="):
+                conf.append(a.split("=", 1)[1])
+            else:
+                extra.append(a)
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or len(self.addrs)}",
                 f"--nproc-per-node={nproc_per_node}", f"--node-rank={node}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={host}:{rdzv_port}", f"--rdzv-id={rdzv_id or self.state['tag']}",
-                f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={self.addrs[node]}", *script_argv]
+                f"--rdzv-conf={','.join(conf)}", f"--local-addr={self.addrs[node]}", *extra, *script_argv]
 
     def throughput_gbit(self, src: int, dst: int, nbytes: int = 16 << 20, port: int = 29411) -> float:
         """One TCP stream ``src`` -> ``dst`` across the switch (a self-test of the shaping)."""

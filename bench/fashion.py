@@ -19,15 +19,22 @@ split after the last epoch. Rows (``--rows GROUP,...``, default all; each group 
   MSTopK), ``dgc`` (DGC's sampled threshold, NaiveAG). Targets: every sparse row within 0.5 pp of
   ``dense_s0`` at 1 %, within 1.0 pp at 0.1 %; MSTopK not below TopK;
 * ``wide``: ``dense_w16_s0``, the same recipe at ``--width 16`` (308,826 parameters);
+* ``elastic``: ``elastic_s0``, ``dense_s0``'s run with two world-size changes mid-epoch: 2 x 2 ranks
+  stopped after global step 1,521 (epoch 7, step 117 of 234; ``--stop-at-step``), resumed on one node
+  of 2 ranks (``--resume auto``: the rest of the epoch re-planned, 128 per rank) and stopped after
+  step 3,102 (epoch 14, step 60), resumed on 2 x 2 to the end. Target: ``elastic_minus_dense_pp``
+  within 0.3 pp (the same seed; a resume on another world changes the order of the rest of its
+  epoch, so the runs differ like two orders do);
 * ``sampler`` (root: network namespaces): on the emulated cluster (:mod:`bench.emucluster`, 4 nodes x 1
   gloo rank, 64 per rank as above, 1 Gbit/s shaped links, the cache a Redis Cluster of one master per
   node filled by the nodes' daemons): ``sampler_global_s0`` vs ``sampler_local_s0`` (``--sampler local``,
   the default exchange Q). Target: ``local_minus_global_pp`` within 0.3 pp.
 
-``--quick``: a smoke run (CI): 1 epoch of 40 steps per row, rows ``dense_s0``, ``reference_s0`` and
-``hitopk_1pct_s0``, written to ``fashion_quick.json`` (``--results-dir`` elsewhere). Published rows
+``--quick``: a smoke run (CI): 1 epoch of 40 steps per row, rows ``dense_s0``, ``reference_s0``,
+``hitopk_1pct_s0`` and ``elastic_s0`` (stops after steps 13 and 27), written to ``fashion_quick.json``
+(``--results-dir`` elsewhere). Published rows
 (Zalando's benchmark table, the dataset's README) are in the JSON beside ours.
-``python -m bench.fashion [--rows parity,comm,wide,sampler] [--only ROW,...] [--quick] [--epochs N]``.
+``python -m bench.fashion [--rows parity,comm,wide,elastic,sampler] [--only ROW,...] [--quick] [--epochs N]``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, launch_2x2, machine_info, print_machine, run_epochs, save_figure
+from bench.common import (
+    RESULTS_DIR,
+    launch_2x2,
+    launch_nodes,
+    machine_info,
+    print_machine,
+    run_epochs,
+    save_figure,
+)
 from datacache.config import user_cache_dir
 
 # Zalando's benchmark table (github.com/zalandoresearch/fashion-mnist README), test-split accuracy
@@ -59,16 +74,21 @@ SPARSE = {"topk": ["--comm", "naive_ag", "--selector", "exact"],
           "hitopk": ["--comm", "hitopk", "--selector", "mstopk"],
           "dgc": ["--comm", "naive_ag", "--selector", "dgc"]}
 DENSITIES = {"1pct": "0.01", "0.1pct": "0.001"}
-GROUPS = ("parity", "comm", "wide", "sampler")
+GROUPS = ("parity", "comm", "wide", "elastic", "sampler")
+ELASTIC_STOPS = (1521, 3102)  # global steps: epoch 7 step 117 and epoch 14 step 60 of 234 a epoch
+ELASTIC_STOPS_QUICK = (13, 27)  # --quick: steps 13 and 27 of its one 40-step epoch
 TARGETS = {"dense_top1_pct": ">= 92.5", "parity_minus_reference_pp": "|x| <= 0.3",
            "sparse_worst_minus_dense_pp_1pct": ">= -0.5", "sparse_worst_minus_dense_pp_0.1pct": ">= -1.0",
-           "local_minus_global_pp": "|x| <= 0.3", "mstopk_minus_topk_pp_1pct": ">= 0",
+           "local_minus_global_pp": "|x| <= 0.3", "elastic_minus_dense_pp": "|x| <= 0.3",
+           "mstopk_minus_topk_pp_1pct": ">= 0",
            "mstopk_minus_topk_pp_0.1pct": ">= 0"}
 
 
 def rows_of(group: str, quick: bool) -> dict[str, tuple[str, list[str]]]:
     """``{row: (launcher, extra args)}``; launcher ``trainer``, ``reference`` or ``emu``."""
     if quick:
+        if group == "elastic":
+            return {"elastic_s0": ("elastic", ["--comm", "allreduce", "--seed", "0"])}
         return {"dense_s0": ("trainer", ["--comm", "allreduce", "--seed", "0"]),
                 "reference_s0": ("reference", ["--seed", "0"]),
                 "hitopk_1pct_s0": ("trainer", [*SPARSE["hitopk"], "--density", "0.01", "--seed", "0"])
@@ -88,6 +108,8 @@ def rows_of(group: str, quick: bool) -> dict[str, tuple[str, list[str]]]:
         return out
     if group == "wide":
         return {"dense_w16_s0": ("trainer", ["--comm", "allreduce", "--width", "16", "--seed", "0"])}
+    if group == "elastic":
+        return {"elastic_s0": ("elastic", ["--comm", "allreduce", "--seed", "0"])}
     if group == "sampler":
         return {"sampler_global_s0": ("emu", ["--sampler", "global", "--seed", "0"]),
                 "sampler_local_s0": ("emu", ["--sampler", "local", "--seed", "0"])}
@@ -140,6 +162,8 @@ def ratios_of(rows: dict[str, dict[str, Any]]) -> tuple[dict[str, float | None],
         ratios[f"mstopk_minus_topk_pp_{d}"] = ms - t if t is not None and ms is not None else None
     ratios["torus_minus_dense_pp"] = (top["torus_s0"] - base) if "torus_s0" in top and base is not None \
         else None
+    elastic = top.get("elastic_s0")
+    ratios["elastic_minus_dense_pp"] = elastic - base if elastic is not None and base is not None else None
     g, loc = top.get("sampler_global_s0"), top.get("sampler_local_s0")
     ratios["local_minus_global_pp"] = loc - g if g is not None and loc is not None else None
     if "dense_w16_s0" in top:
@@ -161,6 +185,7 @@ def _check_targets(ratios: dict[str, float | None]) -> list[str]:
               "sparse_worst_minus_dense_pp_1pct": lambda v: v >= -0.5,
               "sparse_worst_minus_dense_pp_0.1pct": lambda v: v >= -1.0,
               "local_minus_global_pp": lambda v: abs(v) <= 0.3, "mstopk_minus_topk_pp_1pct": lambda v: v >= 0,
+              "elastic_minus_dense_pp": lambda v: abs(v) <= 0.3,
               "mstopk_minus_topk_pp_0.1pct": lambda v: v >= 0}
     for k, ok in checks.items():
         v = ratios.get(k)
@@ -272,12 +297,28 @@ def main(argv: Sequence[str] | None = None) -> None:
             t = time.perf_counter()
             if launcher == "reference":
                 launch_2x2("bench.fashion_reference", [*ref_common, *extra, "--out", out], out, args.timeout)
+            elif launcher == "elastic":
+                run_elastic(common, cache, extra, out, args.timeout,
+                            ELASTIC_STOPS_QUICK if args.quick else ELASTIC_STOPS)
             else:
                 launch_2x2("trainer", [*common, "--cache", cache, *extra, "--out", out], out, args.timeout)
             rows[row] = summarize(launcher, extra, run_epochs(out), time.perf_counter() - t, machine)
             _report(row, rows[row])
             save(path, rows, machine, quick=args.quick, prepare_s=prepare_s)
     save(path, rows, machine, quick=args.quick, prepare_s=prepare_s, say=True)
+
+
+def run_elastic(common: list[str], cache: str, extra: list[str], out: str, timeout: float,
+                stops: tuple[int, int]) -> None:
+    """The ``elastic`` row: 2 x 2 ranks, then 1 x 2, then 2 x 2 again, each phase ended by
+    ``--stop-at-step`` (a checkpoint there) and the next one started with ``--resume auto``."""
+    resumed = [a for a in common if a != "--overwrite"]  # a resume keeps the run's checkpoints
+    phases = [(2, 2, [*common, "--stop-at-step", str(stops[0])]),
+              (1, 2, [*resumed, "--resume", "auto", "--stop-at-step", str(stops[1])]),
+              (2, 2, [*resumed, "--resume", "auto"])]
+    for k, (nodes, per_node, flags) in enumerate(phases):
+        launch_nodes("trainer", [*flags, "--cache", cache, *extra, "--out", out], f"{out}.phase{k}", timeout,
+                     nodes=nodes, per_node=per_node)
 
 
 def save(path: Path, rows: dict[str, dict[str, Any]], machine: dict[str, Any], *, quick: bool,
@@ -291,7 +332,8 @@ def save(path: Path, rows: dict[str, dict[str, Any]], machine: dict[str, Any], *
                  f"cache preparation took {prepare_s:.0f} s in the last invocation)")
     out_doc = {"machine": machine, "config": {
         "recipe": "fashion", "model": "small_resnet_cifar width 8 (78,002 parameters)",
-        "world": "2 nodes x 2 gloo ranks on loopback (sampler rows: 4 emulated nodes x 1)",
+        "world": "2 nodes x 2 gloo ranks on loopback (sampler rows: 4 emulated nodes x 1; elastic_s0: "
+                 "2 x 2, then 1 x 2, then 2 x 2)",
         "global_batch": 256, "quick": quick, "train_images": 60000, "test_images": 10000},
         "published": PUBLISHED, "targets": TARGETS,
         "accuracy": {k: r["top1"] for k, r in rows.items()},

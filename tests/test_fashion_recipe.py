@@ -51,14 +51,15 @@ def test_fashion_command_help_and_missing_source_in_one_line(tmp_path) -> None:
 @needs_fashion
 def test_quick_benchmark_runs_every_kind_of_row(tmp_path) -> None:
     """bench.fashion --quick: the cache-fed dense run, the torchvision reference and a sparse method, each
-    a 2 nodes x 2 gloo ranks job for 40 steps, then the JSON with the issue's ratio names."""
+    a 2 nodes x 2 gloo ranks job for 40 steps, the elastic row (the same 40 steps over 2 x 2, 1 x 2 and
+    2 x 2 ranks), then the JSON with the issue's ratio names."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache-home")}
     res = subprocess.run([sys.executable, "-m", "bench.fashion", "--quick", "--results-dir", str(tmp_path)],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((tmp_path / "fashion_quick.json").read_text())
     rows = doc["results"]["rows"]
-    assert set(rows) == {"dense_s0", "reference_s0", "hitopk_1pct_s0"}
+    assert set(rows) == {"dense_s0", "reference_s0", "hitopk_1pct_s0", "elastic_s0"}
     for name, r in rows.items():
         # 40 steps: the training loss is well below chance's ln(10) = 2.30 on every row; the held-out
         # accuracy of so young a network swings with its BatchNorm statistics (a sparse method's lags)
@@ -66,6 +67,12 @@ def test_quick_benchmark_runs_every_kind_of_row(tmp_path) -> None:
     assert rows["dense_s0"]["top1"] > 0.25 and rows["reference_s0"]["top1"] > 0.25
     assert rows["reference_s0"]["pipeline"] == "torchvision reference"
     assert rows["hitopk_1pct_s0"]["comm_method"] == "hitopk"
+    runs = tmp_path / "cache-home" / "datacache" / "bench" / "fashion" / "runs"
+    said = [(runs / f"elastic_s0.phase{k}.node0.log").read_text() for k in range(3)]
+    assert "stopped after global step 13" in said[0] and "stopped after global step 27" in said[1]
+    assert "epoch 1, step 13; epoch 1 was planned for 4 ranks" in said[1] and "over 2 ranks" in said[1]
+    assert "epoch 1, step 27; epoch 1 was planned for 2 ranks" in said[2] and "over 4 ranks" in said[2]
+    assert "elastic_minus_dense_pp" in doc["ratios"]
     for k in ("dense_top1_pct", "parity_minus_reference_pp", "sparse_worst_minus_dense_pp_1pct",
               "sparse_worst_minus_dense_pp_0.1pct", "local_minus_global_pp", "hitopk_1pct_minus_dense_pp"):
         assert k in doc["ratios"]

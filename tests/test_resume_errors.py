@@ -4,6 +4,7 @@ rank, and torchrun with two ranks), real checkpoint files damaged the way disks 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -202,3 +203,26 @@ def test_epoch_end_resume_on_more_ranks_re_splits_the_residuals(digits_data: dic
     assert proc.returncode == 0, proc.stderr[-3000:]
     both = proc.stdout + proc.stderr
     assert "error-feedback residuals re-split, their sum kept" in both and "dropping residual" not in both
+
+
+@pytest.mark.parametrize("stop,position", [(2, (0, 2, 2)), (3, (1, 0, 3))])
+def test_stop_at_step_leaves_a_checkpoint_there_and_resume_auto_finishes(digits_data: dict, tmp_path,
+                                                                         stop: int, position) -> None:
+    """--stop-at-step N: the run ends after global step N with a checkpoint at N (mid-epoch or an
+    epoch end), and --resume auto trains the rest: the 2 x 3 steps of the run, once."""
+    out = str(tmp_path / "run")
+    first = _train(digits_data, out, "--stop-at-step", str(stop))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"stopped after global step {stop} (--stop-at-step {stop}), checkpoint written" in first.stdout
+    d = checkpoint.resolve("auto", out)
+    pos = checkpoint.load(d, 0, 1).pos
+    assert (pos.epoch, pos.step, pos.global_step) == position
+    rest = _train(digits_data, out, "--resume", "auto")
+    assert rest.returncode == 0, rest.stderr[-2000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        recs = [json.loads(x) for x in f]
+    epochs = [r for r in recs if r["event"] == "epoch"]
+    # an epoch record counts the steps its process ran: a stop mid-epoch leaves its first part unrecorded
+    unrecorded = position[1]
+    assert [r["epoch"] for r in epochs] == [0, 1] and sum(r["steps"] for r in epochs) + unrecorded == 6
+    assert [r["global_step"] for r in recs if r["event"] == "stop"] == [stop]

@@ -184,3 +184,9 @@ def test_console_script_points_at_the_cli() -> None:
         target = re.search(r'^datacache-train = "([\w.]+):(\w+)"$', f.read(), re.M)
     assert target is not None
     assert getattr(importlib.import_module(target.group(1)), target.group(2)) is main
+
+
+def test_dist_timeout_must_be_positive_and_reaches_the_process_group() -> None:
+    with pytest.raises(ConfigError, match=r"dist_timeout=0\.0 is out of range"):
+        make_config(dist_timeout=0.0)
+    assert make_config(dist_timeout=20).dist_timeout == 20  # tests/test_emulated_elastic.py: it fires

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import datetime
 import logging
 import os
 import signal
@@ -101,8 +102,12 @@ def cuda_index(local_rank: int, visible: int) -> int:
     return local_rank % visible
 
 
-def init_distributed(device_pref: str = "auto") -> DistInfo:
-    """Initialise (or reuse) the default process group; returns the rank layout and device."""
+def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """Initialise (or reuse) the default process group; returns the rank layout and device.
+    ``timeout_s``: how long a collective waits for its peers before it fails (torch's default,
+    30 min, when None). A node lost without closing its connections (power, a cut link) is only
+    noticed this way: the surviving ranks fail after ``timeout_s`` and an elastic launcher
+    (``torchrun --nnodes MIN:MAX --max-restarts K``) restarts them on the nodes left."""
     if "RANK" not in os.environ:  # not under torchrun: a one-process group
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
@@ -114,7 +119,8 @@ def init_distributed(device_pref: str = "auto") -> DistInfo:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL touches the GPU
     if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        kw = {"timeout": datetime.timedelta(seconds=float(timeout_s))} if timeout_s else {}
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", **kw)
     info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ["LOCAL_RANK"]),
                     local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]), device=device)

@@ -230,7 +230,7 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
     (tests)."""
     if not cfg.data:
         raise ConfigError("no training data: pass --data URL (an ImageFolder or a .txt/.csv list)")
-    info = info or init_distributed(cfg.device)
+    info = info or init_distributed(cfg.device, cfg.dist_timeout)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     path = _agree(lambda: checkpoint.resolve(cfg.resume, cfg.out))
@@ -347,13 +347,22 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first,
                     gbs: int = gbs) -> None:
             g = g0 + step  # the global step just completed
-            if cfg.checkpoint_every and g % cfg.checkpoint_every == 0 and step < steps:
+            every = cfg.checkpoint_every and g % cfg.checkpoint_every == 0
+            stop = 0 < cfg.stop_at_step <= g
+            if (every or stop) and step < steps:  # the epoch's end has its own checkpoint
                 _save(cfg, info, model, ctx, pruner, fingerprint, checkpoint.Position(epoch, step, g),
                       _schedules(cfg, epoch, gbs, steps, optimizer.param_groups[0]["lr"]), sampler)
+                if stop:  # every rank at the same step: they all leave the epoch here
+                    raise _StopRun(g)
 
-        stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs, steps_in_epoch=steps,
-                            start_step=first, progress=cfg.progress and info.is_main,
-                            record_losses=record_losses, on_step=on_step)
+        try:
+            stats = train_epoch(ctx, loader, epoch=epoch, resolution=res, global_batch=gbs,
+                                steps_in_epoch=steps, start_step=first,
+                                progress=cfg.progress and info.is_main, record_losses=record_losses,
+                                on_step=on_step)
+        except _StopRun as stop:
+            _say_stop(logger, stop.step, epoch, cfg)
+            break
         gstep += stats.steps
         result.step_losses += stats.step_losses
         rec = _epoch_record(cfg, data, stats, before, res, gbs, world, device)
@@ -376,11 +385,28 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         logger.write("epoch", **rec)
         logger.say(epoch_line(rec, cfg.epochs))
         result.epochs.append(rec)
+        if 0 < cfg.stop_at_step <= gstep and epoch + 1 < cfg.epochs:
+            _say_stop(logger, gstep, epoch + 1, cfg)
+            break
     logger.write("end", epochs=len(result.epochs))
     state.close()  # the communication thread of --overlap async (none otherwise)
     if cluster is not None:
         cluster.close()  # the slot-map reader's own connections (the datasets keep theirs)
     return result
+
+
+class _StopRun(Exception):
+    """``--stop-at-step`` reached mid-epoch (raised on every rank after the checkpoint)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped at global step {step}")
+        self.step = step
+
+
+def _say_stop(logger: MetricsLog, step: int, epoch: int, cfg: TrainConfig) -> None:
+    logger.write("stop", global_step=step, epoch=epoch)
+    logger.say(f"stopped after global step {step} (--stop-at-step {cfg.stop_at_step}), checkpoint written: "
+               f"continue with --resume auto (any world size)")
 
 
 def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[str, Any], res: int, gbs: int,

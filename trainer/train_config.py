@@ -151,6 +151,11 @@ class TrainConfig:
     seed: int = _f(0, "seed of model init, sample order and augmentation", "run")
     out: str = _f("runs/train", "directory for metrics.jsonl and checkpoints", "run")
     checkpoint_every: int = _f(0, "also checkpoint every N steps (0: at epoch ends only)", "run")
+    stop_at_step: int = _f(0, "stop after N global steps in all, with a checkpoint (0: run every epoch); "
+                           "continue later with --resume auto, on any world size", "run")
+    dist_timeout: float = _f(1800.0, "seconds a collective waits for the other ranks before this rank fails "
+                             "(a node lost without closing its connections is noticed this way; under "
+                             "torchrun --max-restarts the job then restarts on the nodes left)", "run")
     keep_checkpoints: int = _f(3, "keep the newest N checkpoints (0: all)", "run")
     resume: str = _f("", "checkpoint to resume from: a file, or 'auto' (the newest in --out)", "run")
     overwrite: bool = _f(False, "start a fresh run even if --out holds checkpoints (deletes them and "
@@ -166,8 +171,8 @@ class TrainConfig:
             if choices and value not in choices:
                 raise ConfigError(f"{f.name}={value!r}; choose one of {', '.join(choices)}")
         positive = ("short_side", "width", "epochs", "lr_ref_batch")
-        non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "val_every", "threads",
-                        "keep_checkpoints", "pad")
+        non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "stop_at_step", "val_every",
+                        "threads", "keep_checkpoints", "pad")
         for name in positive:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r}; must be a positive integer")
@@ -178,7 +183,8 @@ class TrainConfig:
                   "crop_scale": 0 < self.crop_scale <= 1,
                   "val_crop_fraction": 0 < self.val_crop_fraction <= 1,
                   "label_smoothing": 0 <= self.label_smoothing < 1, "momentum": 0 <= self.momentum < 1,
-                  "weight_decay": self.weight_decay >= 0, "bucket_cap_mb": self.bucket_cap_mb > 0}
+                  "weight_decay": self.weight_decay >= 0, "bucket_cap_mb": self.bucket_cap_mb > 0,
+                  "dist_timeout": self.dist_timeout > 0}
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is out of range")
