@@ -217,6 +217,8 @@ def test_stop_at_step_leaves_a_checkpoint_there_and_resume_auto_finishes(digits_
     d = checkpoint.resolve("auto", out)
     pos = checkpoint.load(d, 0, 1).pos
     assert (pos.epoch, pos.step, pos.global_step) == position
+    again = _one_error_line(_train(digits_data, out, "--resume", "auto", "--stop-at-step", str(stop)))
+    assert f"--stop-at-step {stop}: {d} is already at global step {stop}; pass a later step" in again
     rest = _train(digits_data, out, "--resume", "auto")
     assert rest.returncode == 0, rest.stderr[-2000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:

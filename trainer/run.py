@@ -275,6 +275,9 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
         loaded = checkpoint.load(path, rank, world, map_location="cpu")
         checkpoint.check_resumable(loaded, {}, path, cfg.to_dict(), fingerprint)  # model, optimizer, data
+        if 0 < cfg.stop_at_step <= loaded.pos.global_step:
+            raise ConfigError(f"--stop-at-step {cfg.stop_at_step}: {path} is already at global step "
+                              f"{loaded.pos.global_step}; pass a later step, or drop --stop-at-step")
         now: dict[str, Any] = {}
         if loaded.pos.epoch < cfg.epochs:
             if loaded.pos.step > 0:  # the sampler only: continued, or the rest of the epoch re-planned
