@@ -151,6 +151,17 @@ def summarize(eps: list[dict[str, Any]], link_tx: int) -> dict[str, Any]:
             "per_epoch_samples_per_s": [e["samples_per_s"] for e in eps]}
 
 
+def _median_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeat with the median samples/s (the lower middle for an even count), with every repeat's
+    rate, their spread ((max - min) / median) and the mean link use beside it."""
+    ranked = sorted(rs, key=lambda r: r["samples_per_s"])
+    mid = ranked[(len(ranked) - 1) // 2]
+    rates = [r["samples_per_s"] for r in rs]
+    return {**mid, "repeats": len(rs), "repeat_samples_per_s": rates,
+            "spread": (max(rates) - min(rates)) / mid["samples_per_s"] if mid["samples_per_s"] else None,
+            "repeat_link_utilisation": [r["link_utilisation"] for r in rs]}
+
+
 def explain(results: dict[str, Any], ratios: dict[str, float | None]) -> list[str]:
     """Why a throughput target was missed, from the run's own numbers (a note per miss)."""
     out = []
@@ -179,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 300 images, 2 epochs of 3 steps")
     ap.add_argument("--images", type=int, default=None, help="generated JPEGs (default 4000, quick 300)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per variant (default 3, quick 2)")
-    ap.add_argument("--rate-gbit", type=float, default=1.0, help="tbf rate of every link (default 1)")
+    ap.add_argument("--rates", default=None, help="tbf rates of every link, Gbit/s, comma-separated: the "
+                    "first is the reference, the lowest the link-bound case (default 1,0.05; quick 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of every variant per rate, interleaved "
+                    "(the order rotates each repeat; default 3, quick 1)")
+    ap.add_argument("--naive-workers", default=None, help="loader workers per rank tried for the naive "
+                    "baseline before the repeats; the best is used (default 1,2,4; quick 1)")
     ap.add_argument("--exchange", type=float, default=0.1, help="--sampler local's Q (default 0.1)")
     ap.add_argument("--width", type=int, default=32, help="small_resnet width (default 32)")
     ap.add_argument("--batch", type=int, default=96, help="global batch (3 ranks; default 96)")
@@ -204,54 +220,92 @@ def main(argv: list[str] | None = None) -> int:
     if a.batch < 3 or a.batch % 3:
         print(f"bench.e2e: --batch {a.batch} must be a positive multiple of the 3 ranks", file=sys.stderr)
         return 2
+    epochs = a.epochs or (2 if a.quick else 3)
+    n_images = a.images or (300 if a.quick else 4000)
+    try:
+        rates = [float(x) for x in (a.rates or ("1" if a.quick else "1,0.05")).split(",") if x.strip()]
+        naive_workers = [int(x) for x in (a.naive_workers or ("1" if a.quick else "1,2,4")).split(",")
+                         if x.strip()]
+    except ValueError:
+        print(f"bench.e2e: --rates {a.rates!r} / --naive-workers {a.naive_workers!r}: numbers, "
+              "comma-separated", file=sys.stderr)
+        return 2
+    repeats = a.repeats if a.repeats is not None else (1 if a.quick else 3)
+    if not rates or min(rates) <= 0 or not naive_workers or min(naive_workers) < 0 or repeats < 1:
+        print("bench.e2e: --rates must be > 0 Gbit/s, --naive-workers >= 0 and --repeats >= 1",
+              file=sys.stderr)
+        return 2
     why = why_unavailable()
     if why:
         print(f"bench.e2e: cannot build the emulated cluster: {why}", file=sys.stderr)
         return 2
-    epochs = a.epochs or (2 if a.quick else 3)
-    n_images = a.images or (300 if a.quick else 4000)
     machine = print_machine(machine_info())
     load_before = os.getloadavg()
     root = ensure_dataset(n_images)
     work = tempfile.mkdtemp(prefix="datacache-e2e-")
     state_dir = os.path.join(work, "cluster")
-    cfg = EmuConfig(state_dir=state_dir, rate_gbit=a.rate_gbit, datasets=(f"slowfile://{root}",),
+    cfg = EmuConfig(state_dir=state_dir, rate_gbit=rates[0], datasets=(f"slowfile://{root}",),
                     short_side=a.short_side, maxmemory="512mb", timeout=120.0)
     results: dict[str, Any] = {}
+    runs: dict[float, dict[str, list[dict[str, Any]]]] = {r: {v: [] for v in variants} for r in rates}
+    sweep: dict[int, float] = {}
+    fill_s = 0.0
     c = EmuCluster(cfg)
     try:
         c.up()
         fill_s = wait_full(c, a.fill_timeout)
-        print(f"cluster up ({a.rate_gbit:g} Gbit/s links); the daemons filled {n_images}+ images in "
+        print(f"cluster up ({rates[0]:g} Gbit/s links); the daemons filled {n_images}+ images in "
               f"{fill_s:.0f} s", flush=True)
         common = ["--data", root, "--cache", c.cache_url(), "--short-side", str(a.short_side),
                   "--model", "small_resnet", "--width", str(a.width), "--resolution", str(SIZE),
                   "--batch-size", str(a.batch), "--epochs", str(epochs), "--optimizer", "sgd", "--lr", "0.1",
-                  "--lr-scaling", "none", "--val-every", "0", "--workers", str(a.workers), "--threads", "1",
+                  "--lr-scaling", "none", "--val-every", "0", "--threads", "1",
                   "--device", "cpu", "--density", "0.01", "--exchange", str(a.exchange), "--seed", "0",
                   "--no-progress", "--overwrite", "--keep-checkpoints", "1"]
         if a.quick:
             common += ["--steps-per-epoch", "3"]
-        for k, name in enumerate(variants):
-            out = os.path.join(work, name)
+        job = 0
+
+        def run_variant(name: str, rate: float, workers: int) -> dict[str, Any]:
+            nonlocal job
+            job += 1
+            out = os.path.join(work, f"{name}-{job}")
             os.makedirs(out)
-            script = ["-m", "bench.e2e", "rank", *(["--naive", root] if name == "naive" else []), "--",
-                      *common, *VARIANTS[name], "--out", out]
+            flags = [*common, "--workers", str(workers), *VARIANTS[name], "--out", out]
+            naive = ["--naive", root] if name == "naive" else []
+            script = ["-m", "bench.e2e", "rank", *naive, "--", *flags]
             before = c.link_counters()
             t = time.perf_counter()
-            run_job(c, name, script, out, timeout=900.0, port=29400 + k)
+            run_job(c, name, script, out, timeout=900.0, port=29400 + job % 500)
             wall = time.perf_counter() - t
             after = c.link_counters()
             tx = sum(after[i]["tx_bytes"] - before[i]["tx_bytes"] for i in after)
-            results[name] = {**summarize(run_epochs(out), tx), "wall_s": wall,
-                             # mean over the whole job (start-up included): how busy each link was
-                             "link_gbit_per_node_mean": tx * 8 / len(after) / wall / 1e9}
-            r = results[name]
+            gbit = tx * 8 / len(after) / wall / 1e9  # mean over the whole job (start-up included)
+            r = {**summarize(run_epochs(out), tx), "wall_s": wall, "rate_gbit": rate,
+                 "workers_per_rank": workers, "link_gbit_per_node_mean": gbit,
+                 "link_utilisation": gbit / rate}
             lf = r["local_read_fraction"]
-            print(f"{name:<20} {r['samples_per_s']:7.1f} samples/s, data-wait "
+            print(f"{rate:>5g} Gbit/s {name:<20} w{workers} {r['samples_per_s']:7.1f} samples/s, data-wait "
                   f"{100 * r['data_wait_fraction']:5.1f}%, link {r['link_bytes_per_sample'] / 1e3:8.1f} "
-                  f"kB/sample (cache {r['cache_link_bytes_per_sample'] / 1e3:.1f}), local reads "
+                  f"kB/sample (cache {r['cache_link_bytes_per_sample'] / 1e3:.1f}), link use "
+                  f"{100 * r['link_utilisation']:.0f}%, local reads "
                   + ("-" if lf is None else f"{100 * lf:.1f}%"), flush=True)
+            return r
+
+        best = a.workers
+        if "naive" in variants:  # the baseline at its best: loader workers per rank tried first
+            for w in naive_workers:
+                sweep[w] = run_variant("naive", rates[0], w)["samples_per_s"]
+            best = max(sweep, key=lambda w: sweep[w])
+        for rep in range(repeats):  # interleaved: every variant once per repeat, the order rotating
+            for rate in rates:
+                c.set_rate(rate)
+                order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+                for name in order:
+                    runs[rate][name].append(run_variant(name, rate, best if name == "naive" else a.workers))
+        for rate in rates:
+            results[f"{rate:g}gbit"] = {name: _median_of(rs) for name, rs in runs[rate].items()}
+        results.update(results[f"{rates[0]:g}gbit"])  # the reference rate's medians, at the top level
     except (EmuError, RuntimeError) as e:
         a.keep = True  # the error names logs in the work directory
         print(f"bench.e2e: {e}", file=sys.stderr)
@@ -270,13 +324,27 @@ def main(argv: list[str] | None = None) -> int:
         return None
 
     full = results.get("cache_local_hitopk", {})
+    low = f"{min(rates):g}gbit"
+    bound = results.get(low, {}) if len(rates) > 1 else {}
+
+    def bound_ratio(num: str, den: str) -> float | None:
+        if num in bound and den in bound and bound[den]["samples_per_s"]:
+            return bound[num]["samples_per_s"] / bound[den]["samples_per_s"]
+        return None
+
     ratios = {"e2e_full_vs_naive": ratio("cache_local_hitopk", "naive"),
               "link_bytes_local_vs_global": ratio("cache_local_hitopk", "cache_global_hitopk",
                                                   "cache_link_bytes_per_sample"),
               "local_read_fraction": full.get("local_read_fraction"),
               "e2e_local_vs_global": ratio("cache_local_hitopk", "cache_global_hitopk"),
               "e2e_cache_dense_vs_naive": ratio("cache_global_dense", "naive"),
-              "e2e_hitopk_vs_dense": ratio("cache_global_hitopk", "cache_global_dense")}
+              "e2e_hitopk_vs_dense": ratio("cache_global_hitopk", "cache_global_dense"),
+              "e2e_local_vs_global_linkbound": bound_ratio("cache_local_hitopk", "cache_global_hitopk"),
+              "e2e_full_vs_naive_linkbound": bound_ratio("cache_local_hitopk", "naive"),
+              "e2e_cache_dense_vs_naive_linkbound": bound_ratio("cache_global_dense", "naive"),
+              "e2e_hitopk_vs_dense_linkbound": bound_ratio("cache_global_hitopk", "cache_global_dense")}
+    results["naive_workers_samples_per_s"] = {str(w): v for w, v in sweep.items()}
+    results["fill_s"] = fill_s
     paper = model(ClusterAssumptions())
     results["paper_scale_model"] = paper
     notes = [f"load average before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, after "
@@ -284,7 +352,14 @@ def main(argv: list[str] | None = None) -> int:
              f"{os.cpu_count()} cores, shared with other engineers' jobs)",
              f"3 ranks (1 per emulated node), their loader workers, 3 redis-servers and 3 daemons share "
              f"{os.cpu_count()} cores: the model's compute competes with the data path",
-             "variants ran one after another on the same cluster and the same warm cache",
+             f"every variant ran {repeats} time(s) per rate, interleaved (each repeat visits the rates "
+             f"{', '.join(f'{r:g}' for r in rates)} Gbit/s and, at each, every variant once, the order "
+             "rotating): results hold the repeat with the median samples/s, every repeat's rate and the "
+             "spread (max - min) / median, per rate under '<rate>gbit' (the first rate's also at the top "
+             "level); all on the same cluster and the same warm cache",
+             f"naive baseline: loader workers per rank {naive_workers} tried at {rates[0]:g} Gbit/s before "
+             f"the repeats ({', '.join(f'{w}: {v:.0f}' for w, v in sweep.items())} samples/s); the best, "
+             f"{best}, is used in the repeats" if sweep else "naive baseline not run",
              f"NFS stand-in: slowfile:// ({LATENCY_MS:g} ms per request, {MBPS:g} MB/s per process); it is "
              "the shared filesystem, not a path over the emulated links: the naive variant's link bytes are "
              "gradients only, the NFS traffic a real cluster would add to its links is not on them",
@@ -294,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
              "paper-scale model (results.paper_scale_model): "
              "trainer.cluster_model.model(ClusterAssumptions())"]
     targets = {"e2e_full_vs_naive": (2.0, "min"), "link_bytes_local_vs_global": (0.15, "max"),
-               "local_read_fraction": (0.9, "min")}
+               "local_read_fraction": (0.9, "min"),
+               **({"e2e_local_vs_global_linkbound": (1.3, "min")} if len(rates) > 1 else {})}
     for key, (target, kind) in targets.items():
         v = ratios[key]
         want = f"{'>=' if kind == 'min' else '<='} {target}"
@@ -307,13 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     notes += explain(results, ratios)
     notes.append("the trainer holds out --val-fraction (10 %) of --data for validation (not run here: "
                  "--val-every 0); every variant trains on the same 90 %")
-    busiest = max((results[n]["link_gbit_per_node_mean"], n) for n in variants)
-    notes.append(f"mean link use per node over a whole job: at most {busiest[0]:.3f} Gbit/s ({busiest[1]}) "
-                 f"of {a.rate_gbit:g} Gbit/s" + (
-                     ": the links were far from full, so where dense trails HiTopK here it is gloo's "
-                     "all-reduce work on the shared cores that costs, not the link"
-                     if busiest[0] < 0.5 * a.rate_gbit else ""))
-    config = {"nodes": 3, "ranks_per_node": 1, "rate_gbit": a.rate_gbit, "images": n_images,
+    for rate in rates:
+        per = results[f"{rate:g}gbit"]
+        use = ", ".join(f"{n} {100 * per[n]['link_utilisation']:.0f} %" for n in variants)
+        notes.append(f"mean link use per node over a whole job at {rate:g} Gbit/s (median repeat): {use}")
+    config = {"nodes": 3, "ranks_per_node": 1, "rate_gbit": rates[0], "rates_gbit": rates,
+              "repeats": repeats, "naive_workers_tried": naive_workers, "naive_workers_used": best,
+              "fill_s": fill_s, "images": n_images,
               "model": f"small_resnet width {a.width}", "resolution": SIZE, "global_batch": a.batch,
               "short_side": a.short_side, "workers_per_rank": a.workers, "threads_per_rank": 1,
               "epochs": epochs, "timed_epochs": "all but the first", "exchange": a.exchange, "density": 0.01,
@@ -324,11 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(a.out) if a.out else RESULTS_DIR
     write_results(name, machine=machine, config=config, results=results, ratios=ratios, notes=notes,
                   out_dir=out_dir)
-    _plot(out_dir / f"{name}.png", results, [v for v in variants if v in results])
+    _plot(out_dir / f"{name}.png", results, [v for v in variants if v in results], rates)
     return 0
 
 
-def _plot(path: Path, results: dict[str, Any], names: list[str]) -> None:
+def _plot(path: Path, results: dict[str, Any], names: list[str], rates: list[float]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,8 +413,16 @@ def _plot(path: Path, results: dict[str, Any], names: list[str]) -> None:
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
     xs = range(len(names))
     labels = [n.replace("_", "\n") for n in names]
-    ax0.bar(xs, [results[n]["samples_per_s"] for n in names], color="tab:blue")
-    ax0.set_title("training samples/s (after the first epoch)")
+    width = 0.8 / len(rates)
+    for k, rate in enumerate(rates):  # median repeat per rate, min-max of the repeats as the error bar
+        per = results[f"{rate:g}gbit"]
+        med = [per[n]["samples_per_s"] for n in names]
+        lo = [m - min(per[n]["repeat_samples_per_s"]) for m, n in zip(med, names)]
+        hi = [max(per[n]["repeat_samples_per_s"]) - m for m, n in zip(med, names)]
+        ax0.bar([x + (k - (len(rates) - 1) / 2) * width for x in xs], med, width, yerr=[lo, hi],
+                label=f"{rate:g} Gbit/s")
+    ax0.legend()
+    ax0.set_title("training samples/s (after the first epoch; median, min-max)")
     cache = [results[n]["cache_link_bytes_per_sample"] / 1e3 for n in names]
     grad = [results[n]["gradient_link_bytes_per_sample"] / 1e3 for n in names]
     ax1.bar(xs, cache, color="tab:orange", label="cache reads (remote)")

@@ -27,6 +27,8 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("args, words", [
     (["--variants", "naive,bogus"], ["bogus", "cache_local_hitopk"]),
     (["--batch", "100"], ["--batch 100", "multiple of the 3 ranks"]),
+    (["--rates", "1,zero"], ["--rates", "comma-separated"]),
+    (["--rates", "0"], ["--rates must be > 0"]),
 ])
 def test_bad_arguments_are_one_line_errors(args: list[str], words: list[str]) -> None:
     r = _run(args, timeout=60)
@@ -68,6 +70,12 @@ def test_quick_smoke_on_the_emulated_cluster(tmp_path) -> None:
     assert "phases" in res["paper_scale_model"]
     assert any("load average" in n for n in doc["notes"])
     assert doc["config"]["load_average_before"] and doc["config"]["rate_gbit"] == 1.0
+    # the quick run: one rate, one repeat, the naive loader's worker sweep of one; per-rate results
+    assert doc["config"]["rates_gbit"] == [1.0] and doc["config"]["repeats"] == 1
+    assert res["1gbit"]["cache_local_hitopk"]["repeat_samples_per_s"] == [local["samples_per_s"]]
+    assert set(res["naive_workers_samples_per_s"]) == {"1"} and res["fill_s"] >= 0
+    assert 0 < local["link_utilisation"] == pytest.approx(local["link_gbit_per_node_mean"] / 1.0)
+    assert ratios["e2e_local_vs_global_linkbound"] is None  # one rate: no link-bound case
 
 
 def test_a_full_convergence_run_keeps_the_sampler_rows() -> None:
