@@ -218,6 +218,7 @@ class EmuCluster:
         self.cfg = cfg or EmuConfig()
         self.state: dict[str, Any] = state or {}
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: dict[int, str] = {}  # pid of a service this object started -> its log
         self._old_handlers: dict[int, Any] = {}
         self._armed = False
         self._down_lock = threading.Lock()
@@ -431,6 +432,7 @@ class EmuCluster:
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                  start_new_session=True)
         self._procs.append(p)
+        self._logs[p.pid] = log
         self.state["pids"].setdefault(str(node), []).append(p.pid)
         self._save()
         return p.pid
@@ -473,11 +475,14 @@ class EmuCluster:
             if any(p.poll() is not None for p in self._procs):
                 break
             time.sleep(0.2)
+        dead_procs = [p for p in self._procs if p.poll() is not None]
+        if dead_procs:  # a service that exited says why in ITS log (another node's, maybe: they start alike)
+            log = self._logs.get(dead_procs[0].pid, log)
         tail = ""
         with contextlib.suppress(OSError), open(log, errors="replace") as f:
             lines = [ln for ln in f.read().splitlines() if ln.strip()]
             tail = lines[-1][:300] if lines else ""
-        dead = [p.args[4] for p in self._procs if p.poll() is not None]
+        dead = [p.args[4] for p in dead_procs]
         raise EmuError(f"{what} within {self.cfg.timeout:g} s" + (f" ({dead[0]} exited)" if dead else "")
                        + (f"; last log line of {log}: {tail}" if tail else ""))
 
