@@ -117,3 +117,20 @@ def subprocess_env() -> dict[str, str]:
     for k in TORCHRUN_VARS:
         env.pop(k, None)
     return env
+
+
+class RecordingBatchSampler:
+    """A batch sampler that records every request the DataLoader takes from the trainer's sampler
+    (``(epoch, step, indices)`` appended to ``seen``): what the tests count, never the sampler's own
+    bookkeeping."""
+
+    def __init__(self, sampler: Any, seen: list) -> None:
+        self.sampler, self.seen = sampler, seen
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        for req in self.sampler:
+            self.seen.append((req.epoch, req.step, list(req.indices)))
+            yield req

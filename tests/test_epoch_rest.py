@@ -51,7 +51,7 @@ class World:
         out = []
         steps = None
         for s in self.samplers:
-            rest = s.rest if s.rest is not None and s.rest.epoch == epoch else None
+            rest = s.rest_for(epoch)
             s.set_epoch(epoch, global_batch // world, start if rest is None else max(start, rest.start_step))
             got = [(b.step, list(b.indices)) for b in s if stop is None or b.step < stop]
             assert all(len(ix) == global_batch // world for _, ix in got)

@@ -12,28 +12,12 @@ import contextlib
 import io
 import shutil
 from collections import Counter
-from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RecordingBatchSampler, run_distributed
 from trainer.train_config import make_config
-
-
-class _Recording:
-    """A batch sampler that records every request the DataLoader takes from the trainer's sampler."""
-
-    def __init__(self, sampler: Any, seen: list) -> None:
-        self.sampler, self.seen = sampler, seen
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self):
-        for req in self.sampler:
-            self.seen.append((req.epoch, req.step, list(req.indices)))
-            yield req
 
 
 def _rank(rank: int, world: int, cfg_values: dict) -> dict:
@@ -45,8 +29,8 @@ def _rank(rank: int, world: int, cfg_values: dict) -> dict:
     cfg = TrainConfig.from_dict(cfg_values)
 
     def make_loader(data, sampler):
-        return train_loader(data.train, _Recording(sampler, seen), workers=cfg.workers, seed=cfg.seed,
-                            crop_scale=cfg.crop_scale, flip=cfg.flip)
+        return train_loader(data.train, RecordingBatchSampler(sampler, seen), workers=cfg.workers,
+                            seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip)
 
     said = io.StringIO()
     with contextlib.redirect_stdout(said):  # rank 0's log lines

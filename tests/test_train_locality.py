@@ -16,32 +16,16 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
 
 import numpy as np
 import pytest
 import redis
 
-from tests.dist_utils import run_distributed
+from tests.dist_utils import RecordingBatchSampler, run_distributed
 from tests.redis_utils import cli, needs_redis, slot_owners
 from trainer.train_config import make_config
 
 pytestmark = needs_redis
-
-
-class _Recording:
-    """A batch sampler that records every request the DataLoader takes from the trainer's sampler."""
-
-    def __init__(self, sampler: Any, seen: list) -> None:
-        self.sampler, self.seen = sampler, seen
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self):
-        for req in self.sampler:
-            self.seen.append((req.epoch, req.step, list(req.indices)))
-            yield req
 
 
 def _rank(rank: int, world: int, cfg_values: dict, masters: list[str]) -> dict:
@@ -52,8 +36,8 @@ def _rank(rank: int, world: int, cfg_values: dict, masters: list[str]) -> dict:
     seen: list = []
 
     def make_loader(data, sampler):
-        return train_loader(data.train, _Recording(sampler, seen), workers=cfg.workers, seed=cfg.seed,
-                            crop_scale=cfg.crop_scale, flip=cfg.flip)
+        return train_loader(data.train, RecordingBatchSampler(sampler, seen), workers=cfg.workers,
+                            seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip)
 
     cfg = TrainConfig.from_dict({**cfg_values, "local_master": masters[rank]})
     res = train(cfg, make_loader=make_loader, record_losses=True)

@@ -123,9 +123,13 @@ class DistributedBatchSampler:
             raise ConfigError(f"start step {start_step} is outside epoch {epoch}'s {self.steps_in_epoch()} "
                               "steps (a checkpoint from another batch size or dataset?)")
 
+    def rest_for(self, epoch: int) -> EpochRest | None:
+        """:attr:`rest` when it is ``epoch``'s (re-planned) remainder, else None."""
+        return self.rest if self.rest is not None and self.rest.epoch == epoch else None
+
     def current_rest(self) -> EpochRest | None:
-        """:attr:`rest` when it is the current epoch's (re-planned) remainder, else None."""
-        return self.rest if self.rest is not None and self.rest.epoch == self.epoch else None
+        """:meth:`rest_for` the current epoch."""
+        return self.rest_for(self.epoch)
 
     def plan(self) -> list[np.ndarray]:
         """Every rank's sample order for the current epoch (or, when re-planned, for its rest), as

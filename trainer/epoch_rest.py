@@ -84,7 +84,7 @@ def continue_epoch(sampler: DistributedBatchSampler, state: dict[str, Any] | Non
                           f"does not split over {sampler.world_size} ranks, so the rest of the epoch "
                           f"cannot keep it: resume on {choices} ranks, or from an epoch-end checkpoint")
     old = saved_sampler(sampler, state, saved_world)
-    before = old.rest if old.rest is not None and old.rest.epoch == epoch else None
+    before = old.rest_for(epoch)
     old.set_epoch(epoch, before.batch if before is not None else global_batch // saved_world,
                   before.start_step if before is not None else 0)
     if not 0 < step <= old.steps_in_epoch():

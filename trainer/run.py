@@ -133,8 +133,8 @@ def _resume_sampler(cfg: TrainConfig, loaded: checkpoint.Loaded, sampler: Distri
 
 def _epoch_batch(cfg: TrainConfig, sampler: DistributedBatchSampler, epoch: int, world: int) -> int:
     """The global batch of ``epoch``: the config's, or the kept one of a re-planned resumed epoch."""
-    rest = sampler.rest
-    return rest.batch * world if rest is not None and rest.epoch == epoch else cfg.global_batch(epoch, world)
+    rest = sampler.rest_for(epoch)
+    return rest.batch * world if rest is not None else cfg.global_batch(epoch, world)
 
 
 def _comm_state(loaded: checkpoint.Loaded, path: str, world: int,
@@ -283,8 +283,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             if loaded.pos.step > 0:  # the sampler only: continued, or the rest of the epoch re-planned
                 replan_note = _resume_sampler(cfg, loaded, sampler, os.path.join(path, "train.pt"))
             gbs = _epoch_batch(cfg, sampler, loaded.pos.epoch, world)
-            rest = sampler.rest
-            first = rest.start_step if rest is not None and rest.epoch == loaded.pos.epoch else 0
+            rest = sampler.rest_for(loaded.pos.epoch)
+            first = rest.start_step if rest is not None else 0
             sampler.set_epoch(loaded.pos.epoch, gbs // world, first, cfg.steps_per_epoch)
             now = _schedules(cfg, loaded.pos.epoch, gbs, sampler.steps_in_epoch(), 0.0)
         checkpoint.check_resumable(loaded, now, path, replanned=bool(replan_note))  # the schedules
