@@ -182,6 +182,32 @@ def explain(results: dict[str, Any], ratios: dict[str, float | None]) -> list[st
     return out
 
 
+DEFAULT_RATES = "1,0.05,0.01=cache_global_hitopk+cache_local_hitopk"
+
+
+def parse_rates(spec: str, variants: list[str]) -> dict[float, list[str]]:
+    """``"1,0.05,0.01=a+b"`` -> ``{1.0: variants, 0.05: variants, 0.01: [a, b]}`` in the given order; a
+    subset is intersected with ``variants`` (their order), a rate left with none is dropped. ValueError
+    naming the bad entry."""
+    out: dict[float, list[str]] = {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        rate_s, _, subset = entry.partition("=")
+        try:
+            rate = float(rate_s)
+        except ValueError:
+            raise ValueError(f"{entry!r} is not RATE or RATE=v1+v2") from None
+        chosen = [v for v in subset.split("+") if v] if subset else list(variants)
+        unknown = [v for v in chosen if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"{entry!r}: unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+        here = [v for v in variants if v in chosen]
+        if here:  # a rate none of whose variants is selected (--variants) is not run
+            out[rate] = here
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["rank"]:
@@ -190,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 300 images, 2 epochs of 3 steps")
     ap.add_argument("--images", type=int, default=None, help="generated JPEGs (default 4000, quick 300)")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per variant (default 3, quick 2)")
-    ap.add_argument("--rates", default=None, help="tbf rates of every link, Gbit/s, comma-separated: the "
-                    "first is the reference, the lowest the link-bound case (default 1,0.05; quick 1)")
+    ap.add_argument("--rates", default=None, help="tbf rates of every link, Gbit/s, comma-separated; "
+                    "RATE=v1+v2 runs only those variants at that rate. The first rate is the reference; "
+                    "each *_linkbound ratio is taken at the lowest rate where both its variants ran "
+                    f"(default {DEFAULT_RATES}: naive and dense would take ~1,000 s a job at 0.01; "
+                    "quick 1)")
     ap.add_argument("--repeats", type=int, default=None, help="runs of every variant per rate, interleaved "
                     "(the order rotates each repeat; default 3, quick 1)")
     ap.add_argument("--naive-workers", default=None, help="loader workers per rank tried for the naive "
@@ -223,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     epochs = a.epochs or (2 if a.quick else 3)
     n_images = a.images or (300 if a.quick else 4000)
     try:
-        rates = [float(x) for x in (a.rates or ("1" if a.quick else "1,0.05")).split(",") if x.strip()]
+        rate_variants = parse_rates(a.rates or ("1" if a.quick else DEFAULT_RATES), variants)
+        rates = list(rate_variants)
         naive_workers = [int(x) for x in (a.naive_workers or ("1" if a.quick else "1,2,4")).split(",")
                          if x.strip()]
-    except ValueError:
+    except ValueError as e:
         print(f"bench.e2e: --rates {a.rates!r} / --naive-workers {a.naive_workers!r}: numbers, "
-              "comma-separated", file=sys.stderr)
+              f"comma-separated ({e})", file=sys.stderr)
         return 2
     repeats = a.repeats if a.repeats is not None else (1 if a.quick else 3)
     if not rates or min(rates) <= 0 or not naive_workers or min(naive_workers) < 0 or repeats < 1:
@@ -247,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EmuConfig(state_dir=state_dir, rate_gbit=rates[0], datasets=(f"slowfile://{root}",),
                     short_side=a.short_side, maxmemory="512mb", timeout=120.0)
     results: dict[str, Any] = {}
-    runs: dict[float, dict[str, list[dict[str, Any]]]] = {r: {v: [] for v in variants} for r in rates}
+    runs: dict[float, dict[str, list[dict[str, Any]]]] = {r: {v: [] for v in vs}
+                                                          for r, vs in rate_variants.items()}
     sweep: dict[int, float] = {}
     fill_s = 0.0
     c = EmuCluster(cfg)
@@ -300,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(repeats):  # interleaved: every variant once per repeat, the order rotating
             for rate in rates:
                 c.set_rate(rate)
-                order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+                here = rate_variants[rate]
+                order = here[rep % len(here):] + here[:rep % len(here)]
                 for name in order:
                     runs[rate][name].append(run_variant(name, rate, best if name == "naive" else a.workers))
         for rate in rates:
@@ -324,13 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         return None
 
     full = results.get("cache_local_hitopk", {})
-    low = f"{min(rates):g}gbit"
-    bound = results.get(low, {}) if len(rates) > 1 else {}
+    bound_at: dict[str, float] = {}
 
     def bound_ratio(num: str, den: str) -> float | None:
-        if num in bound and den in bound and bound[den]["samples_per_s"]:
-            return bound[num]["samples_per_s"] / bound[den]["samples_per_s"]
-        return None
+        """At the lowest rate (of several) where both variants ran; the rate is kept in bound_at."""
+        both = [r for r in rates if num in rate_variants[r] and den in rate_variants[r]]
+        if len(rates) < 2 or not both or min(both) == rates[0]:
+            return None
+        per = results[f"{min(both):g}gbit"]
+        if not per[den]["samples_per_s"]:
+            return None
+        bound_at[f"{num}/{den}"] = min(both)
+        return per[num]["samples_per_s"] / per[den]["samples_per_s"]
 
     ratios = {"e2e_full_vs_naive": ratio("cache_local_hitopk", "naive"),
               "link_bytes_local_vs_global": ratio("cache_local_hitopk", "cache_global_hitopk",
@@ -343,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
               "e2e_full_vs_naive_linkbound": bound_ratio("cache_local_hitopk", "naive"),
               "e2e_cache_dense_vs_naive_linkbound": bound_ratio("cache_global_dense", "naive"),
               "e2e_hitopk_vs_dense_linkbound": bound_ratio("cache_global_hitopk", "cache_global_dense")}
+    results["linkbound_rate_gbit"] = bound_at  # which rate each *_linkbound ratio was taken at
     results["naive_workers_samples_per_s"] = {str(w): v for w, v in sweep.items()}
     results["fill_s"] = fill_s
     paper = model(ClusterAssumptions())
@@ -385,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
                  "--val-every 0); every variant trains on the same 90 %")
     for rate in rates:
         per = results[f"{rate:g}gbit"]
-        use = ", ".join(f"{n} {100 * per[n]['link_utilisation']:.0f} %" for n in variants)
+        use = ", ".join(f"{n} {100 * per[n]['link_utilisation']:.0f} %" for n in rate_variants[rate])
         notes.append(f"mean link use per node over a whole job at {rate:g} Gbit/s (median repeat): {use}")
     config = {"nodes": 3, "ranks_per_node": 1, "rate_gbit": rates[0], "rates_gbit": rates,
+              "variants_per_rate": {f"{r:g}": vs for r, vs in rate_variants.items()},
               "repeats": repeats, "naive_workers_tried": naive_workers, "naive_workers_used": best,
               "fill_s": fill_s, "images": n_images,
               "model": f"small_resnet width {a.width}", "resolution": SIZE, "global_batch": a.batch,
@@ -416,9 +455,9 @@ def _plot(path: Path, results: dict[str, Any], names: list[str], rates: list[flo
     width = 0.8 / len(rates)
     for k, rate in enumerate(rates):  # median repeat per rate, min-max of the repeats as the error bar
         per = results[f"{rate:g}gbit"]
-        med = [per[n]["samples_per_s"] for n in names]
-        lo = [m - min(per[n]["repeat_samples_per_s"]) for m, n in zip(med, names)]
-        hi = [max(per[n]["repeat_samples_per_s"]) - m for m, n in zip(med, names)]
+        med = [per[n]["samples_per_s"] if n in per else 0.0 for n in names]  # 0: not run at this rate
+        lo = [m - min(per[n]["repeat_samples_per_s"]) if n in per else 0.0 for m, n in zip(med, names)]
+        hi = [max(per[n]["repeat_samples_per_s"]) - m if n in per else 0.0 for m, n in zip(med, names)]
         ax0.bar([x + (k - (len(rates) - 1) / 2) * width for x in xs], med, width, yerr=[lo, hi],
                 label=f"{rate:g} Gbit/s")
     ax0.legend()

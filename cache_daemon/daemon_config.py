@@ -8,6 +8,8 @@ Example (``deploy/daemon.toml`` is the documented template)::
     ownership = "cluster"                        # cluster | hash | all
     workers = 8                                  # decode processes (default: all cores)
     decoder = "pillow"                           # pillow | dali
+    decoder_device = "auto"                      # dali: auto | cpu | gpu (auto: GPU when NVML sees one)
+    gpu_decode_workers = 0                       # dali on GPU: decode processes (0 = one per visible GPU)
     memory_budget = "200GiB"                     # MinIO policy: stop filling this node's master here
     http_host = "127.0.0.1"
     http_port = 8470
@@ -54,6 +56,7 @@ from datacache.secretfile import read_secret_file
 
 OWNERSHIP_CHOICES = ("cluster", "hash", "all")
 DECODER_CHOICES = ("pillow", "dali")
+DECODER_DEVICE_CHOICES = ("auto", "cpu", "gpu")
 ENV_PREFIX = "DATACACHE_DAEMON_"
 DEFAULT_CONFIG = "/etc/datacache/daemon.toml"
 SHORT_SIDE_MAX = 2048  # a 2048-px raw record is ~25 MB; larger is a mistake, not a variant
@@ -155,6 +158,8 @@ class DaemonConfig:
     world_size: int = 1
     workers: int = 0  # 0 = all cores
     decoder: str = "pillow"
+    decoder_device: str = "auto"  # dali only: auto | cpu | gpu
+    gpu_decode_workers: int = 0  # dali on a GPU: decode processes (0 = one per visible GPU)
     memory_budget: int = field(default=0, metadata=BYTES)  # 0 = the master's maxmemory (or no budget)
     http_host: str = "127.0.0.1"
     http_port: int = 8470
@@ -181,6 +186,7 @@ class DaemonConfig:
         object.__setattr__(self, "ownership", own)
         choice("daemon config: key ownership", own, OWNERSHIP_CHOICES)
         choice("daemon config: key decoder", self.decoder, DECODER_CHOICES)
+        choice("daemon config: key decoder_device", self.decoder_device, DECODER_DEVICE_CHOICES)
         if own == "cluster" and spec.tiers[-1].scheme != "redis+cluster":
             raise ConfigError("daemon config: ownership = \"cluster\" needs a redis+cluster:// cache; "
                               f"got {spec.url} (use ownership = \"hash\" with rank/world_size, or \"all\")")
@@ -190,7 +196,7 @@ class DaemonConfig:
         if own == "hash" and not 0 <= self.rank < self.world_size:
             raise ConfigError(f"daemon config: rank must be in 0..world_size-1 "
                               f"(world_size={self.world_size}), got {self.rank}")
-        for name in ("workers", "memory_budget", "t1_max_bytes", "rank"):
+        for name in ("workers", "gpu_decode_workers", "memory_budget", "t1_max_bytes", "rank"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"daemon config: key {name!r} must be >= 0, got {getattr(self, name)}")
         if self.world_size < 1:

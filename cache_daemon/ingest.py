@@ -83,6 +83,8 @@ class DatasetState:
     decoded: int = 0
     bytes_read: int = 0
     write_errors: int = 0
+    pillow_fallbacks: int = 0  # DALI refused these plain JPEGs: Pillow decoded them (the family's rule)
+    decoder_unavailable: int = 0  # samples left unfilled: the DALI pipeline could not run in a worker
     rate: float = 0.0
     passes: int = 0
     error: str = ""
@@ -108,6 +110,8 @@ class DatasetState:
                 "fingerprint": self.fingerprint, "total": self.total, "owned": self.owned, "done": self.done,
                 "fill": round(self.fill, 6), "decoded": self.decoded, "rate": round(self.rate, 1),
                 "bytes_read": self.bytes_read, "write_errors": self.write_errors, "passes": self.passes,
+                "decoder": {"pillow_fallbacks": self.pillow_fallbacks,
+                            "unavailable": self.decoder_unavailable},
                 "error": self.error, "shortcut_passes": self.shortcut_passes,
                 "quarantined_count": len(self.quarantined),
                 "quarantined_by_reason": dict(self.quarantined.by_reason),
@@ -266,7 +270,17 @@ def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, de
                        on_chunk=on_chunk, store=store, store_spec=work.store_spec, pool=pool,
                        desc=f"{cfg.node} {work.tag}")
     state.write_errors += rep.write_errors
+    state.pillow_fallbacks += rep.pillow_fallbacks
+    state.decoder_unavailable += rep.decoder_unavailable
     state.quarantined.add(rep.quarantined)
+    if rep.decoder_unavailable:
+        log.warning("%s %s: %d samples left unfilled this pass: the %s decoder could not run in a decode "
+                    "worker (see the worker's warning above); they are retried next pass, never filled with "
+                    "another decoder's pixels", state.spec.source, work.tag, rep.decoder_unavailable,
+                    work.reader.variant.decoder_family)
+    if rep.pillow_fallbacks:
+        log.info("%s %s: %d plain JPEGs that DALI refused were decoded by Pillow (the family's rule for "
+                 "files DALI cannot decode)", state.spec.source, work.tag, rep.pillow_fallbacks)
     return rep, halt.budget
 
 

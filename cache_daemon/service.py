@@ -68,12 +68,14 @@ class Daemon:
         self.wake = threading.Event()
         self.lock = threading.Lock()
         self.states: dict[str, DatasetState] = {d.ident(): DatasetState(d) for d in cfg.datasets}
-        self.decoder = make_decoder(cfg.decoder)
+        # NVML only (never CUDA, never torch) before the pool forks: cache_daemon.gpu_probe
+        self.decoder, workers = make_decoder(cfg.decoder, cfg.decoder_device, workers=cfg.workers,
+                                             gpu_decode_workers=cfg.gpu_decode_workers)
         self.http: Any = None
         self.force = threading.Event()  # a second signal: stop without waiting for the drain
         self.stop_at = 0.0  # monotonic time of the first signal
         # forked on first use; shared by every pass; its workers undo the daemon's small mmap threshold
-        self.pool = DecodePool(cfg.workers or None, worker_setup=decode_worker_heap)
+        self.pool = DecodePool(workers, worker_setup=decode_worker_heap)
         self.watch = Watchdog(cfg.pass_timeout, self.pool.workers)
         self.failed_rounds, self.round_error = 0, ""  # rounds that failed before their passes ran
         self.registry_error = ""  # the last registry read's failure ("" = read fine): /status shows it

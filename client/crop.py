@@ -85,8 +85,21 @@ class TaggedDataset(Dataset):
         return self._fetch(request)
 
 
-# CropBatch.padded() scatters in chunks of (output bytes / this): bounds its index temporaries
+# CropBatch.padded() on the CPU scatters in chunks of (output bytes / this): bounds its index temporaries
 PADDED_CHUNK_DIVISOR = 128
+
+# Debug switch: run the device (non-CPU) code path of CropBatch.padded and of
+# trainer.device_augment.resize_matmul on CPU tensors too. Tests use it to check, on a machine
+# without a GPU, the values and the op counts of the exact code a CUDA batch runs (as
+# trainer.comm.topk_keys.DEVICE_PATH_ON_CPU does for the comm stack).
+DEVICE_PATH_ON_CPU = False
+
+
+def device_path(t: Tensor) -> bool:
+    """Whether batch tensor ``t`` takes the device code path: a few large batched ops, nothing
+    read on the host (True off the CPU, and on the CPU under :data:`DEVICE_PATH_ON_CPU`). The CPU
+    path instead bounds its temporaries with more, smaller ops."""
+    return t.device.type != "cpu" or DEVICE_PATH_ON_CPU
 
 # columns of CropBatch.meta
 _H, _W, _TOP, _LEFT, _Y0, _YEXT, _X0, _XEXT, _FLIP, _LABEL, _OFF = range(11)
@@ -106,7 +119,7 @@ class CropBatch:
       window: RRC windows fill ~half of a ``[B, Hmax, Wmax, 3]`` box, and the padded buffer's
       extra shared-memory pages cost 15-20 % of the warm loader's rate here (measured: 0.80 of the
       copy-only ceiling padded, 0.96 packed). :meth:`padded` builds the padded batch on the device
-      with one scatter;
+      (one row gather there; a chunked scatter on the CPU);
     * ``meta`` float64 ``[B, 11]``, columns :data:`META_COLUMNS`: the window size ``(h, w)``, its
       ``(top, left)`` in the record, the source box ``(y0, y_extent, x0, x_extent)`` in window
       pixels (may be fractional) that becomes the ``S x S`` output -- sampling is clamped to the
@@ -170,13 +183,18 @@ class CropBatch:
 
     def padded(self, chunk: int = 0) -> Tensor:
         """The windows in one zero-padded uint8 ``[B, hmax, wmax, 3]`` batch, built where the batch
-        is: a scatter of every byte, index arithmetic only, no device -> host read.
+        is: index arithmetic only, no device -> host read.
 
-        Memory: the scatter's int64 index arithmetic costs ~8 bytes per index and several arrays
-        live at once, so it runs over the packed bytes in chunks of ``chunk`` (default: the output
-        size / :data:`PADDED_CHUNK_DIVISOR`): the temporaries stay under ~0.7x the output instead
-        of ~40 bytes per pixel byte (measured: ``bench/augment_memory.py``). Each chunk finds its
-        bytes' windows with one ``searchsorted`` over the window ends."""
+        Device path (:func:`device_path`: CUDA batches): ONE gather of whole rows, ~12 ops for the
+        batch (:meth:`_padded_rows`). CPU path: a scatter of every byte. Its int64 index arithmetic
+        costs ~8 bytes per index and several arrays live at once, so it runs over the packed bytes
+        in chunks of ``chunk`` (default: the output size / :data:`PADDED_CHUNK_DIVISOR`): the
+        temporaries stay under ~0.7x the output instead of ~40 bytes per pixel byte (measured:
+        ``bench/augment_memory.py``). Each chunk finds its bytes' windows with one ``searchsorted``
+        over the window ends. ``chunk`` applies to the CPU path only: on a GPU each chunk is ~14
+        kernel launches (dozens of chunks for a 256-image batch), which is what the gather avoids."""
+        if device_path(self.pixels):
+            return self._padded_rows()
         n, hp, wp = len(self), self.hmax, self.wmax
         dev = self.pixels.device
         h, w, off = (self.meta.select(1, c).to(torch.int64) for c in (_H, _W, _OFF))
@@ -198,6 +216,34 @@ class CropBatch:
             del row, rl, sample
             out.index_copy_(0, pos, self.pixels.narrow(0, c0, c))
         return out.view(n, hp, wp, 3)
+
+    def _padded_rows(self) -> Tensor:
+        """:meth:`padded` on the device: output row ``r`` of sample ``k`` is the ``wmax * 3`` bytes
+        that start at ``offset_k + r * w_k * 3`` in ``pixels``, so the whole batch is one
+        ``index_select`` of ``B * hmax`` row starts from an overlapping ``unfold`` view of the
+        bytes, then one multiply zeroes the columns past each window's width. Rows past a window's
+        height start at the zero tail appended to the bytes (``wmax * 3`` zeros, so every row's
+        read stays in bounds, the last window's included). The index is ``B * hmax`` int64s, not
+        one per byte; the temporaries are a copy of the packed bytes (~0.5x the output for RRC
+        windows) and ``[B, hmax]``/``[B, wmax * 3]`` tables. 12 ops whatever the batch, no chunks,
+        no host read (sizes come from ``meta`` on the device; ``hmax``/``wmax`` are host ints)."""
+        n, hp, row = len(self), self.hmax, self.wmax * 3
+        dev = self.pixels.device
+        out = torch.empty((n, hp, row), dtype=torch.uint8, device=dev)
+        if out.numel() == 0:
+            return out.view(n, hp, self.wmax, 3)
+        total = self.pixels.numel()
+        # HAZARD (host/device): sizes stay on the device (no .tolist()/.item(): a sync on CUDA); only
+        # hmax/wmax/numel, host ints, shape the ops. One conversion: h, w, offset are whole numbers.
+        m = self.meta.to(torch.int64)
+        h, row_len, off = m.select(1, _H).unsqueeze(1), m.select(1, _W).unsqueeze(1) * 3, m.select(1, _OFF)
+        r = torch.arange(hp, device=dev)
+        starts = torch.addcmul(off.unsqueeze(1), r, row_len)                 # [B, hp] first byte of each row
+        starts.masked_fill_(r >= h, total)                                   # rows past h_k: the zero tail
+        src = torch.cat((self.pixels, self.pixels.new_zeros(row)))            # bytes + one row of zeros
+        torch.index_select(src.unfold(0, row, 1), 0, starts.view(-1), out=out.view(n * hp, row))
+        out.mul_((torch.arange(row, device=dev) < row_len).unsqueeze(1))   # zero the bytes past w_k * 3
+        return out.view(n, hp, self.wmax, 3)
 
     def pin_memory(self, device: Any = None) -> CropBatch:
         """Page-locked copies (DataLoader's pin thread calls this with ``pin_memory=True``)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,19 @@ class Filled:
     pixels: np.ndarray | None = None
     reason: str = ""
     remember: bool = False
+
+
+class DecoderUnavailable(RuntimeError):
+    """A decode backend cannot run in this process (its pipeline could not be built, or stopped working):
+    it makes no pixels of its family here, and the caller must not store another decoder's pixels under
+    its keys. ``reason`` is a fixed sentence naming the backend and device, never file bytes."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across pool processes
+        return (DecoderUnavailable, (self.reason,))
 
 
 Decoder = Callable[..., np.ndarray]  # decode_image's signature: (data, variant, *, name) -> HWC uint8
@@ -79,6 +93,7 @@ def fill_one(data: bytes | BaseException, *, rel: str, size: int, label: int, ke
     must make pixels of ``variant.decoder_family`` (:func:`check_family`, module docstring).
 
     Reasons carry the exception's type and a fixed message, never its text (it may quote file bytes);
+    a :class:`DecoderUnavailable` backend leaves the sample unfilled (never decoded by another decoder);
     an exception other than :class:`~datacache.decode.DecodeError` from a decoder is a failure for this
     run (not remembered: it may be the decoder's fault, not the file's), never an exception here."""
     check_family(variant, decoder)
@@ -89,6 +104,8 @@ def fill_one(data: bytes | BaseException, *, rel: str, size: int, label: int, ke
     except DecodeError as e:
         complete = size >= 0 and len(data) == size
         return Filled(reason=f"cannot decode: {e.reason}", remember=complete and not e.transient)
+    except DecoderUnavailable as e:  # the backend, not the file: nothing written, nothing remembered
+        return Filled(reason=f"decoder unavailable: {e.reason} (not remembered; retried in a later pass)")
     except Exception as e:  # a decoder bug or an error type decode_image does not classify
         return Filled(reason=f"cannot decode: unexpected {type(e).__name__} in the decoder (not remembered; "
                       "retried in a later run)")

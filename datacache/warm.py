@@ -66,6 +66,8 @@ class WarmReport:
     write_errors: int = 0      # samples the store could not write (read-only cache, full disk, OOM)
     stopped: bool = False      # stop was set: the rest was left for the next run
     worker_write_errors: int = 0  # of write_errors: failed writes of pool workers (remote stores)
+    pillow_fallbacks: int = 0  # batch backend (DALI): plain JPEGs it refused, decoded by Pillow (by rule)
+    decoder_unavailable: int = 0  # batch backend: samples left unfilled, its pipeline could not run
     seconds: float = 0.0
 
 
@@ -102,7 +104,8 @@ def _context(digest: bytes, ctx: Context) -> tuple[Variant, Decoder | None, Any,
 Result = tuple[int, bytes | None, str, bool]  # (index, record or None, error reason, remember the failure)
 
 
-Chunk = tuple[list[Result], int | None, int]  # results, written by the worker, write errors
+# results, written by the worker, write errors, the backend's counters (DaliDecoder.take_counts)
+Chunk = tuple[list[Result], int | None, int, dict[str, int]]
 
 
 def _decode_chunk(digest: bytes, ctx: Context, items: Sequence[Item], datas: list[Any]) -> Chunk:
@@ -116,13 +119,14 @@ def _decode_chunk(digest: bytes, ctx: Context, items: Sequence[Item], datas: lis
         got = fill_one(data, rel=rel, size=size, label=label, key=key, variant=variant, decoder=decoder,
                        record_key=record_key)
         out.append((i, got.record, got.reason, got.remember))
+    counts = decoder.take_counts() if hasattr(decoder, "take_counts") else {}
     if store is None:
-        return out, None, 0
+        return out, None, 0, counts
     errors = store.counters().get("write_errors", 0)
     keys = {i: key for i, _, _, _, key in items}
     written = store.put_many([(keys[i], rec) for i, rec, _, _ in out if rec is not None])
     errors = store.counters().get("write_errors", 0) - errors
-    return [(i, b"" if rec is not None else None, r, m) for i, rec, r, m in out], written, errors
+    return [(i, b"" if rec is not None else None, r, m) for i, rec, r, m in out], written, errors, counts
 
 
 def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | None = None,
@@ -310,7 +314,9 @@ class _Feeder:
 
 
 def _write_chunk(reader: ReadThrough, store: Any, got: Chunk, rep: WarmReport) -> None:
-    results, written, worker_errors = got
+    results, written, worker_errors, counts = got
+    rep.pillow_fallbacks += counts.get("pillow_fallbacks", 0)
+    rep.decoder_unavailable += counts.get("unavailable", 0)
     man = reader.manifest
     good = [(reader.key(i), rec) for i, rec, _, _ in results if rec is not None]
     bad_items = []

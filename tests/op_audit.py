@@ -12,10 +12,16 @@ is the check on a real GPU.
 ``accumulate=True``, ``scatter_add``, ``scatter_reduce``) whose index has DUPLICATES: on CUDA
 those sums run as atomics in an unspecified order, so the float result differs from run to run
 and from rank to rank.
+
+``OpCount``: counts every aten op run inside the ``with`` block and, separately, the ops that
+would LAUNCH device work on CUDA (a kernel or a copy): the per-batch launch budgets of
+``tests/test_gpu_budgets.py`` are counted with it on a machine without a GPU (the CUDA code
+path runs on fake CUDA tensors or, forced, on CPU tensors; the aten ops are the same).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -92,3 +98,55 @@ class ScatterAudit(TorchDispatchMode):
             if torch.unique(flat).numel() != flat.numel():
                 self.with_duplicates.append(_name(func))
         return func(*args, **kwargs)
+
+
+# Ops that allocate or re-describe memory without running a kernel. Everything else counts as a
+# launch, conversions included: ``_to_copy`` (a dtype or device change) and ``copy_`` are kernels
+# (``Tensor.to`` to the same dtype/device/format dispatches nothing at all), and so are the fills of
+# ``zeros``/``full``/``arange``. ``_unsafe_view`` is the metadata half of ``reshape``'s copy (the
+# copy itself is counted as ``clone``). ``_local_scalar_dense`` is counted: a device -> host copy
+# (and a sync, which ``SyncAudit`` reports).
+_METADATA_OPS = {
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten._unsafe_view.default,
+    aten.set_.source_Storage_storage_offset, aten.resize_.default,
+}
+
+
+def launches(func: Any) -> bool:
+    """Whether aten op ``func`` launches device work on CUDA: not a view or alias (``is_view``:
+    ``view``/``reshape``-as-view/``narrow``/``select``/``permute``/``transpose``/``unsqueeze``/
+    ``expand``/``as_strided``/``unfold``/``detach``/``lift_fresh``...), not an allocation only."""
+    return not getattr(func, "is_view", False) and func not in _METADATA_OPS
+
+
+class OpCount(TorchDispatchMode):
+    """Count the aten ops run inside the ``with`` block: ``total`` (every aten op; ``prim`` queries
+    such as ``Tensor.device`` under fake tensors are not ops and not counted), ``launching`` (the
+    ones :func:`launches` says run device work), ``by_op`` (launching ops by name).
+
+    HAZARD (mode order): under ``FakeTensorMode`` the tests enter this mode INSIDE the fake one
+    (``with FakeTensorMode(), OpCount():``): the innermost mode sees each op first, exactly as the
+    program calls it, before the fake mode handles it (outside, it could also count ops that a
+    fake-mode decomposition runs; on the augmentation both orders count the same with torch 2.13).
+    Dispatch modes are thread-local: run the counted code on this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.launching = 0
+        self.by_op: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "aten") != "aten":  # prim.device etc.: a Python-side metadata query
+            return func(*args, **(kwargs or {}))
+        self.total += 1
+        if launches(func):
+            self.launching += 1
+            self.by_op[_name(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> str:
+        """One line: the counts and the launching ops, most frequent first."""
+        ops = ", ".join(f"{name} x{n}" for name, n in self.by_op.most_common())
+        return f"{self.launching} launching of {self.total} ops: {ops}"

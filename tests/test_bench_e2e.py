@@ -29,6 +29,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     (["--batch", "100"], ["--batch 100", "multiple of the 3 ranks"]),
     (["--rates", "1,zero"], ["--rates", "comma-separated"]),
     (["--rates", "0"], ["--rates must be > 0"]),
+    (["--rates", "1,0.1=naive+turbo"], ["--rates", "unknown variant(s) ['turbo']"]),
 ])
 def test_bad_arguments_are_one_line_errors(args: list[str], words: list[str]) -> None:
     r = _run(args, timeout=60)
@@ -41,7 +42,7 @@ def test_bad_arguments_are_one_line_errors(args: list[str], words: list[str]) ->
 @pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")
 def test_quick_smoke_on_the_emulated_cluster(tmp_path) -> None:
     r = _run(["--quick", "--epochs", "1", "--variants", "naive,cache_global_hitopk,cache_local_hitopk",
-              "--out", str(tmp_path)], timeout=240)
+              "--rates", "1,0.5=cache_local_hitopk+cache_global_hitopk", "--out", str(tmp_path)], timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     doc = json.loads((tmp_path / "e2e_quick.json").read_text())
     assert (tmp_path / "e2e_quick.png").stat().st_size > 0
@@ -70,12 +71,34 @@ def test_quick_smoke_on_the_emulated_cluster(tmp_path) -> None:
     assert "phases" in res["paper_scale_model"]
     assert any("load average" in n for n in doc["notes"])
     assert doc["config"]["load_average_before"] and doc["config"]["rate_gbit"] == 1.0
-    # the quick run: one rate, one repeat, the naive loader's worker sweep of one; per-rate results
-    assert doc["config"]["rates_gbit"] == [1.0] and doc["config"]["repeats"] == 1
+    # two rates, the second with two variants only; one repeat; the naive worker sweep of one
+    assert doc["config"]["rates_gbit"] == [1.0, 0.5] and doc["config"]["repeats"] == 1
+    assert doc["config"]["variants_per_rate"] == {
+        "1": ["naive", "cache_global_hitopk", "cache_local_hitopk"],
+        "0.5": ["cache_global_hitopk", "cache_local_hitopk"]}
+    assert set(res["0.5gbit"]) == {"cache_global_hitopk", "cache_local_hitopk"}
     assert res["1gbit"]["cache_local_hitopk"]["repeat_samples_per_s"] == [local["samples_per_s"]]
     assert set(res["naive_workers_samples_per_s"]) == {"1"} and res["fill_s"] >= 0
     assert 0 < local["link_utilisation"] == pytest.approx(local["link_gbit_per_node_mean"] / 1.0)
-    assert ratios["e2e_local_vs_global_linkbound"] is None  # one rate: no link-bound case
+    slow = res["0.5gbit"]
+    assert 0 < slow["cache_local_hitopk"]["link_utilisation"] == pytest.approx(
+        slow["cache_local_hitopk"]["link_gbit_per_node_mean"] / 0.5)
+    # the link-bound ratio at the lowest rate where both ran; naive never ran at 0.5: no such ratio
+    assert ratios["e2e_local_vs_global_linkbound"] == pytest.approx(
+        slow["cache_local_hitopk"]["samples_per_s"] / slow["cache_global_hitopk"]["samples_per_s"])
+    assert res["linkbound_rate_gbit"] == {"cache_local_hitopk/cache_global_hitopk": 0.5}
+    assert ratios["e2e_full_vs_naive_linkbound"] is None
+
+
+def test_rates_with_variant_subsets() -> None:
+    from bench.e2e import DEFAULT_RATES, parse_rates
+
+    vs = ["naive", "cache_global_dense", "cache_global_hitopk", "cache_local_hitopk"]
+    got = parse_rates(DEFAULT_RATES, vs)
+    assert got == {1.0: vs, 0.05: vs, 0.01: ["cache_global_hitopk", "cache_local_hitopk"]}
+    assert parse_rates("1,0.01=cache_local_hitopk", ["naive"]) == {1.0: ["naive"]}  # subset not selected
+    with pytest.raises(ValueError, match="'x=naive' is not RATE"):
+        parse_rates("1,x=naive", vs)
 
 
 def test_a_full_convergence_run_keeps_the_sampler_rows() -> None:

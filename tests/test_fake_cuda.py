@@ -118,7 +118,7 @@ def test_device_augment_matmul_path_and_padded_on_cuda() -> None:
     batch = _crop_batch()
     with fake():
         dev = batch.to(CUDA)
-        pad = dev.padded(chunk=100)  # several chunks
+        pad = dev.padded(chunk=100)  # a device batch: the row gather (chunk applies to the CPU path only)
         assert pad.device == CUDA and pad.dtype == torch.uint8
         aug = DeviceAugment(memory_format=torch.channels_last)
         assert aug.method_for(dev) == "matmul"  # auto picks it on a device batch

@@ -74,6 +74,18 @@ def make_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tuple[
     return wrap(model, comm_config(cfg), bucket_cap_mb=cfg.bucket_cap_mb, **kwargs)
 
 
+def tune_cudnn(device: torch.device) -> bool:
+    """On CUDA, let cuDNN time its convolution algorithms for each input shape and keep the fastest
+    (``cudnn.benchmark``); True when set. Training has one input shape per phase (the resolution schedule
+    changes it between epochs, ``drop_last`` keeps the batch size), so each shape is timed once per
+    phase; validation's last, smaller batch adds one more. The chosen algorithms may differ between runs,
+    so results are not bitwise repeatable on a GPU (a CPU run is unaffected)."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cudnn.benchmark = True
+    return True
+
+
 @dataclass
 class Amp:
     """Autocast settings and the GradScaler (fp16 on CUDA only)."""
@@ -102,7 +114,8 @@ def make_amp(cfg: TrainConfig, device: torch.device) -> Amp:
 
 
 def layout_warmup(ddp: nn.parallel.DistributedDataParallel, state: HookState, batch: tuple[torch.Tensor, ...],
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  autocast: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
     """Run DDP's first (layout) iteration on ``batch`` without changing any training state.
 
     A fresh DDP reduces its first backward with a provisional bucket layout and rebuilds the
@@ -113,12 +126,18 @@ def layout_warmup(ddp: nn.parallel.DistributedDataParallel, state: HookState, ba
     restored, gradients dropped, the optimizer is not stepped, and the hook state's step counter
     is put back (the residuals were untouched: the warm-up reduction is dense and keeps them).
     The next real step uses the rebuilt layout, as the uninterrupted run did. COLLECTIVE.
+
+    ``autocast``: the training step's (``Amp.autocast``). The forward runs under it, so the warm-up saves
+    the activations training saves (fp16/bf16: about half of fp32's) -- a batch size tuned with AMP
+    must not run out of memory only when a run resumes.
     """
     module = ddp.module
     saved = {name: buf.detach().clone() for name, buf in module.named_buffers()}
     step = state.step
     x, y = batch
-    loss_fn(ddp(x), y).backward()
+    with (autocast or contextlib.nullcontext)():
+        loss = loss_fn(ddp(x), y)
+    loss.backward()
     state.finish_step(skipped=False)  # leaves the warm-up (fresh -> False), keeps all residuals
     state.step = step
     with torch.no_grad():

@@ -14,7 +14,9 @@ the batch is on:
   as Pillow renormalises at an image edge); fractional boxes (validation's resize-then-centre-
   crop) are exact. A flip reverses the rows of ``Wx``: free. Two batched GEMMs: nothing on a
   GPU, but dense, so on a CPU they are slow where the band of non-zero weights is only a few
-  wide (bench/results/NOTES.md#device-augment).
+  wide (bench/results/NOTES.md#device-augment). On a device the whole augmentation is a fixed
+  ~45 kernel launches whatever the batch size (:func:`_resize_matmul_device`; the CPU path's
+  memory-bounding chunks and groups would be ~700 launches for 256 images).
 * ``"interpolate"``: per sample, torch's uint8 antialiased bilinear kernel (the same filter,
   rounding to uint8 between its two passes as Pillow does) writes into the batch
   (:func:`client.augment.resize_crops`; bench/results/NOTES.md#device-augment). CPU batches only: on a
@@ -42,45 +44,65 @@ import torch
 from torch import Tensor
 
 from client.augment import _new_batch, resize_crops
-from client.crop import CropBatch
+from client.crop import _FLIP, _H, _Y0, CropBatch, device_path
 
 METHOD_CHOICES = ("auto", "matmul", "interpolate", "place")
-MATMUL_GROUPS = 8  # resize_matmul converts the uint8 batch to float in this many groups of samples
+# resize_matmul converts the uint8 batch to float in this many groups of samples: on the CPU
+# (MATMUL_GROUPS) to bound the float copies' memory (bench/augment_memory.py); on a device
+# (DEVICE_MATMUL_GROUPS) every group costs 3 more kernel launches, and the float copy (4 bytes per
+# byte of the padded batch, per group) is small next to a GPU's memory: 2 groups halve it.
+MATMUL_GROUPS = 8
+DEVICE_MATMUL_GROUPS = 2
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def axis_weights(start: Tensor, extent: Tensor, window: Tensor, n_out: int, n_in: int,
                  flip: Tensor | None = None) -> Tensor:
-    """Resampling matrices ``[B, n_out, n_in]`` (float32) of Pillow's antialiased bilinear filter.
+    """Resampling matrices ``[..., n_out, n_in]`` (float32) of Pillow's antialiased bilinear filter,
+    one per entry of ``start``/``extent``/``window`` (same shape: ``[B]``, or ``[B, 2]`` for both
+    axes of a batch at once).
 
     Output pixel ``o`` of sample ``b`` is centred at ``start[b] + (o + 0.5) * scale`` in input
     pixels, ``scale = extent / n_out``; input pixel ``i`` (centre ``i + 0.5``) weighs
     ``max(0, 1 - |i + 0.5 - centre| / fs)`` with ``fs = max(scale, 1)`` (Pillow's
     ``precompute_coeffs`` for the triangle filter), only for ``i < window[b]``; each row is
-    normalised to sum 1. ``flip[b]`` reverses the output order (a horizontal flip).
+    normalised to sum 1. ``flip[b]`` reverses the output order (a horizontal flip): row ``o`` is
+    computed at output position ``n_out - 1 - o`` (``(n_out - 0.5) - o``, exact in float32), the
+    same numbers as reversing the rows afterwards, without a flipped copy.
     """
     dev = start.device
     start = start.to(torch.float32)
     scale = extent.to(torch.float32) / n_out
     fs = scale.clamp(min=1.0)
-    # reshape/unsqueeze rather than Python indexing: the same ops, and they also run on fake CUDA
-    # tensors (tests/test_fake_cuda.py checks the device placement of this path without a GPU)
-    out_pos = torch.arange(n_out, device=dev, dtype=torch.float32) + 0.5
-    centre = start.unsqueeze(1) + out_pos * scale.unsqueeze(1)
-    pos = (torch.arange(n_in, device=dev, dtype=torch.float32) + 0.5).view(1, 1, n_in)
-    w = (1.0 - (pos - centre.unsqueeze(2)).abs() / fs.view(-1, 1, 1)).clamp_(min=0.0)
-    w.mul_(pos < window.to(device=dev, dtype=torch.float32).view(-1, 1, 1))
-    w.div_(w.sum(dim=2, keepdim=True).clamp_(min=1e-12))
+    # unsqueeze rather than Python indexing: the same ops, and they also run on fake CUDA tensors
+    # (tests/test_fake_cuda.py checks the device placement of this path without a GPU).
+    # arange(0.5, n) is o + 0.5 exactly (halves are exact in float32)
+    out_pos = torch.arange(0.5, n_out, device=dev, dtype=torch.float32)
     if flip is not None:
-        w = torch.where(flip.to(dev).view(-1, 1, 1), w.flip(1), w)
+        reverse = torch.arange(n_out - 0.5, 0.0, -1.0, device=dev, dtype=torch.float32)
+        out_pos = torch.where(flip.to(dev).unsqueeze(-1), reverse, out_pos)
+    centre = start.unsqueeze(-1) + out_pos * scale.unsqueeze(-1)
+    pos = torch.arange(0.5, n_in, device=dev, dtype=torch.float32)
+    # in place after the subtraction: one [..., n_out, n_in] tensor alive, not two (-a + 1 is 1 - a exactly)
+    w = (pos - centre.unsqueeze(-1)).abs_().div_(fs.unsqueeze(-1).unsqueeze(-1))
+    w.neg_().add_(1.0).clamp_(min=0.0)
+    w.mul_(pos < window.to(device=dev, dtype=torch.float32).unsqueeze(-1).unsqueeze(-1))
+    w.div_(w.sum(dim=-1, keepdim=True).clamp_(min=1e-12))
     return w
 
 
 def resize_matmul(batch: CropBatch, size: int) -> Tensor:
     """Resize (and flip) every box of ``batch`` to ``size x size``: float32 ``[B, 3, S, S]`` in
-    pixel units (0..255, not rounded), on the batch's device. Two batched GEMMs."""
-    pix = batch.padded()  # [B, Hmax, Wmax, 3]: one scatter on the device
+    pixel units (0..255, not rounded), on the batch's device. Two batched GEMMs.
+
+    A device batch (:func:`client.crop.device_path`) takes :func:`_resize_matmul_device`: the same
+    filter in ~40 kernel launches whatever the batch size (tests/test_gpu_budgets.py), its result
+    laid out ``[B, S(x), 3, S(y)]`` (a strided view; :class:`DeviceAugment` writes the final
+    layout while normalising)."""
+    if device_path(batch.pixels):
+        return _resize_matmul_device(batch, size)
+    pix = batch.padded()  # [B, Hmax, Wmax, 3]
     n, hp, wp, _ = pix.shape
     b, win = batch.boxes, batch.windows
     wy = axis_weights(b.select(1, 0), b.select(1, 1), win.select(1, 0), size, hp)
@@ -99,6 +121,49 @@ def resize_matmul(batch: CropBatch, size: int) -> Tensor:
         rows = rows.view(k, size, wp, 3).permute(0, 3, 1, 2)                             # [k, 3, S, Wp]
         torch.matmul(rows, wx.narrow(0, s0, k).transpose(1, 2).unsqueeze(1), out=out.narrow(0, s0, k))
     return out                                                                        # [B, 3, S, S]
+
+
+def _resize_matmul_device(batch: CropBatch, size: int) -> Tensor:
+    """:func:`resize_matmul` for a device batch: a fixed, small number of kernel launches.
+
+    The augmentation runs right after the step's host sync while the GPU idles, so every launch
+    is latency on the step (the CPU path's ~60 chunks of :meth:`CropBatch.padded` plus 8 groups of
+    the GEMMs were ~900 ops for 256 images). Here: the padding is one row gather (12 ops); both
+    axes' weights are ONE :func:`axis_weights` call over ``[B, 2]`` (``n_in = max(hmax, wmax)``:
+    the extra input columns lie past every window and weigh exactly 0, so each axis' matrix is a
+    narrow view of the same values); the vertical pass computes the TRANSPOSED rows
+    ``[k, Wp*3, S]`` (``X^T @ Wy^T``, transposes as BLAS strides, no copy), which are already the
+    ``[k, Wp, 3*S]`` operand the horizontal pass needs, so there is no permute copy between the
+    passes. The output ``[B, S(x), 3, S(y)]`` is returned as a ``[B, 3, S, S]`` view; the
+    normalisation writes it out in the requested memory format (channels_last: one pass). The
+    sums are the CPU path's in another order (equal within float rounding).
+    Memory (GPU): besides the padded uint8 batch and the float32 output, the float copy of the
+    padded input (4 bytes per pixel byte) per group of :data:`DEVICE_MATMUL_GROUPS`, the rows
+    ``[k, Wp*3, S]`` and the weights ``[B, 2, S, max(hmax, wmax)]`` float32: more transient memory
+    than the CPU path's :data:`MATMUL_GROUPS` groups (measured by ``bench/augment_memory.py``'s
+    meter with ``client.crop.DEVICE_PATH_ON_CPU``), traded for a fixed number of launches."""
+    pix = batch.padded()  # [B, Hmax, Wmax, 3]
+    n, hp, wp, _ = pix.shape  # HAZARD (host/device): host ints from shapes only; meta stays on the device
+    dev = pix.device
+    # One float32 copy of the columns the weights need: window (h, w), box (y0, y_ext, x0, x_ext)
+    # and flip (whole numbers and the boxes' float64 values, converted as axis_weights would).
+    mf = batch.meta.narrow(1, 0, _FLIP + 1).to(torch.float32)
+    box = mf.narrow(1, _Y0, 4).view(n, 2, 2)                            # [B, axis (y, x), (start, extent)]
+    # flip flags [B, 2]: (False, flip_b); 0 * flip for the vertical axis
+    flip = (torch.arange(2, device=dev, dtype=torch.float32) * mf.narrow(1, _FLIP, 1)) > 0.5
+    w = axis_weights(box.select(2, 0), box.select(2, 1), mf.narrow(1, _H, 2), size, max(hp, wp), flip=flip)
+    wy = w.select(1, 0).narrow(2, 0, hp)                                # [B, S, Hp]
+    wx = w.select(1, 1).narrow(2, 0, wp)                                # [B, S, Wp]
+    flat = pix.view(n, hp, wp * 3)
+    out = torch.empty((n, size, 3 * size), dtype=torch.float32, device=dev)  # [B, S(x), (3, S(y))]
+    group = max(1, -(-n // DEVICE_MATMUL_GROUPS))
+    for s0 in range(0, n, group):
+        k = min(group, n - s0)
+        xf = flat.narrow(0, s0, k).to(torch.float32)                              # [k, Hp, Wp*3]
+        rows_t = torch.bmm(xf.transpose(1, 2), wy.narrow(0, s0, k).transpose(1, 2))  # [k, Wp*3, S(y)]
+        torch.bmm(wx.narrow(0, s0, k), rows_t.view(k, wp, 3 * size), out=out.narrow(0, s0, k))
+        del xf, rows_t  # freed before the next group's copy, not after it
+    return out.view(n, size, 3, size).permute(0, 2, 3, 1)                      # [B, 3, S(y), S(x)] view
 
 
 def resize_interpolate(batch: CropBatch, size: int) -> Tensor:
@@ -188,12 +253,17 @@ class DeviceAugment:
     def _normalise(self, x: Tensor) -> Tensor:
         dev = x.device
         if dev not in self._consts:
+            # HAZARD (host -> device): two small uploads, once per device (cached), never per batch
             mul = torch.tensor([1.0 / (255.0 * s) for s in self.std], device=dev).view(1, 3, 1, 1)
             sub = torch.tensor([m / s for m, s in zip(self.mean, self.std)], device=dev).view(1, 3, 1, 1)
             self._consts[dev] = (mul, sub)
         mul, sub = self._consts[dev]
-        x = x.to(torch.float32).mul_(mul).sub_(sub)  # (x / 255 - mean) / std
-        return x.to(dtype=self.dtype, memory_format=self.memory_format)
+        # (x / 255 - mean) / std, float32: the multiply converts (uint8 or float32 input) AND writes
+        # the requested memory format in the same pass (the resize's output may be any strided
+        # view), so no separate float copy or layout copy
+        out = torch.empty_like(x, dtype=torch.float32, memory_format=self.memory_format)
+        torch.mul(x, mul, out=out).sub_(sub)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
 
     def resize(self, batch: CropBatch, size: int) -> Tensor:
         """The resized, flipped batch in pixel units (float32 or uint8), before normalisation."""

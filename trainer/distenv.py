@@ -102,6 +102,20 @@ def cuda_index(local_rank: int, visible: int) -> int:
     return local_rank % visible
 
 
+ALLOC_CONF = "expandable_segments:True"
+
+
+def cuda_allocator_defaults(environ: dict[str, str] | None = None) -> str:
+    """``PYTORCH_CUDA_ALLOC_CONF`` for training, unless the user set one (theirs is kept); returns the
+    value in force. Every batch's packed crop windows and padded batch have another size (window
+    sizes vary), and the side stream allocates them: with fixed-size segments the caching allocator
+    splits and strands blocks of many sizes (fragmentation: reserved memory grows over an epoch).
+    Expandable segments grow one mapping instead, so freed memory of any size is reused. Read by the
+    allocator at its first CUDA allocation: call before any (init_distributed does)."""
+    env = os.environ if environ is None else environ
+    return env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
+
+
 def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) -> DistInfo:
     """Initialise (or reuse) the default process group; returns the rank layout and device.
     ``timeout_s``: how long a collective waits for its peers before it fails (torch's default,
@@ -115,6 +129,7 @@ def init_distributed(device_pref: str = "auto", timeout_s: float | None = None) 
         die_with_parent()  # a torchrun worker: never outlive the launcher (module docstring)
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    cuda_allocator_defaults()  # before the first CUDA allocation (the allocator reads it once)
     device = pick_device(device_pref)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL touches the GPU

@@ -30,7 +30,15 @@ from client.dataset import CachedImageNet
 from client.stats import PLACEMENT
 from datacache.config import ConfigError
 from trainer import checkpoint, locality
-from trainer.build import channels_last, layout_warmup, make_amp, make_ddp, make_model, make_optimizer
+from trainer.build import (
+    channels_last,
+    layout_warmup,
+    make_amp,
+    make_ddp,
+    make_model,
+    make_optimizer,
+    tune_cudnn,
+)
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
@@ -241,6 +249,7 @@ def train(cfg: TrainConfig, info: DistInfo | None = None, *, make_loader: Loader
 def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: LoaderFactory | None,
            record_losses: bool) -> RunResult:
     device, rank, world = info.device, info.rank, info.world_size
+    tune_cudnn(device)
     # the Redis Cluster tier's master on this node: counts local/remote bytes, and --sampler local
     cluster = _agree(lambda: locality.cluster_store(cfg.cache))
     mine, why = _agree(lambda: locality.find_local_master(cluster, cfg.local_master, cfg.sampler == "local"))
@@ -326,7 +335,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             res = cfg.resolution_schedule.at(start_epoch)
             x = torch.zeros((sampler.batch_size, 3, res, res), device=device).contiguous(memory_format=fmt)
             layout_warmup(ddp, state, (x, torch.zeros(sampler.batch_size, dtype=torch.long, device=device)),
-                          ctx.loss_fn)
+                          ctx.loss_fn, ctx.amp.autocast)
         logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}{replan_note}{comm_note}")
     pruner = checkpoint.Pruner(os.path.join(cfg.out, "checkpoints"), cfg.keep_checkpoints)
     _say_locality(logger, cfg, cluster, mine, why, masters_by_node)
