@@ -32,34 +32,14 @@ from typing import Any
 
 from trainer.comm.names import METHOD_CHOICES as METHODS
 from trainer.comm.names import PHASES
+from trainer.comm.probe import measure_compute as _measure_compute
+from trainer.comm.probe import timed as _timed
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = {"allreduce": "dense ring", "torus": "2D-Torus", "naive_ag": "NaiveAG", "hitopk": "HiTopKComm"}
 
 
 # =============================================================== worker (inside a namespace)
-def _timed(fn: Any, reps: int, active: bool = True, mean: bool = True) -> float:
-    """Median seconds of ``fn()`` over ``reps`` barrier-aligned rounds after one warm-up round; only
-    ``active`` ranks call ``fn``; the mean over active ranks (``mean``) or rank 0's value, on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    times = []
-    for i in range(reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if active:
-            fn()
-        if i:
-            times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times) if active else 0.0, float(active)], dtype=torch.float64)
-    if mean:
-        dist.all_reduce(t)
-        return float(t[0] / t[1])
-    dist.broadcast(t, 0)
-    return float(t[0])
-
-
 def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -> dict[str, Any]:
     """Raw p2p exchanges and the comm helper's three collectives on each link, per size.
 
@@ -96,41 +76,6 @@ def _measure_links(topo: Any, all_sizes: list[int], reps: int, inter_max: int) -
                 x, o = torch.ones(nb // 4), torch.empty(p * nb // 4)
                 times.append(_timed(lambda fn=fn, x=x, o=o: fn(x, o), reps, active, mean=not suffix))
             out[link + suffix] = {"sizes_bytes": sizes, "times_s": times}
-    return out
-
-
-def _measure_compute(d: int, rho: float, world: int, reps: int) -> dict[str, dict[str, list[float]]]:
-    import torch
-
-    from trainer.comm.selector_registry import get_selector
-    from trainer.comm.sparse_ops import add_rows_, compensate, wire_and_flag
-
-    sel = get_selector("mstopk")
-    g = torch.Generator().manual_seed(1234)
-    flat, res = torch.randn(d, generator=g), torch.randn(d, generator=g) * 0.01
-    out: dict[str, dict[str, list[float]]] = {k: {"counts": [], "times": []} for k in ("select", "dense",
-                                                                                       "scatter")}
-
-    def add(kind: str, count: int, fn: Any) -> None:  # all ranks at once: CPU sharing as in the methods
-        out[kind]["counts"].append(count)
-        out[kind]["times"].append(_timed(fn, reps))
-
-    def select(x: Any, r: Any, k: int) -> None:  # as the methods: compensate, select, flag the sent values
-        y = compensate(x, r, world, out=ybuf[:x.numel()])
-        wire_and_flag(sel(y, k)[0], False, True)
-
-    ybuf = torch.empty(d)
-    for frac in (4, 2, 1):
-        n = d // frac
-        x, r = flat[:n], res[:n]
-        add("select", n, lambda x=x, r=r, n=n: select(x, r, max(1, round(rho * n))))
-        # decompression's dense passes as in the methods: zero the reused output, write the residual back
-        rbuf, obuf = torch.zeros(n), torch.zeros(n)
-        add("dense", n, lambda x=x, rb=rbuf, ob=obuf: (ob.zero_(), rb.copy_(x)))
-        kk = max(1, round(rho * d)) // frac  # per row; the methods add `world` rows, one at a time
-        idx = torch.stack([torch.randperm(d, generator=g)[:kk] for _ in range(world)]).to(torch.int32)
-        vals, dst = torch.randn(world, kk, generator=g), torch.zeros(d)
-        add("scatter", world * kk, lambda idx=idx, vals=vals, dst=dst: add_rows_(dst, idx, vals))
     return out
 
 

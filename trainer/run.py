@@ -15,6 +15,7 @@ of the saved epoch, from the saved step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -46,7 +47,7 @@ from trainer.epoch_rest import continue_epoch
 from trainer.loop import EpochStats, StepContext, train_epoch, validate
 from trainer.metrics import MetricsLog, epoch_line
 from trainer.rundir import RunLock, check_fresh_start
-from trainer.train_config import TrainConfig
+from trainer.train_config import COMM_AUTO, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,20 @@ def open_data(cfg: TrainConfig, cache: str = "") -> Data:
         return Data(train, val, list(range(len(train))), list(range(len(val))))
     tr, va = split_indices(list(train.targets), cfg.val_fraction, cfg.seed)
     return Data(train, train, tr, va)
+
+
+def _choose_comm(cfg: TrainConfig, info: DistInfo, model: nn.Module, device: torch.device
+                 ) -> tuple[TrainConfig, str]:
+    """``--comm auto`` at a fresh start: the cheapest method for this model's gradients on this job's
+    measured links (:mod:`trainer.comm.probe`); the config with that method and the log line. The
+    checkpoints then record the method, so a resume keeps it. COLLECTIVE."""
+    from trainer.comm.probe import choose_method
+    from trainer.comm.topology import Topology
+
+    topo = Topology.from_env(info.local_world_size)
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    choice = choose_method(topo, d, cfg.density, fp16=cfg.fp16_comm, device=device)
+    return dataclasses.replace(cfg, comm=choice.method), choice.line()
 
 
 def _schedules(cfg: TrainConfig, epoch: int, gbs: int, steps: int, lr: float) -> dict[str, Any]:
@@ -275,14 +290,21 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         data.train.classes, ((view[i][0][len(view.prefix):], view[i][1]) for i in data.train_idx),
         len(data.train_idx))
 
-    replan_note = ""
+    replan_note = auto_note = ""
 
     def read_checkpoint() -> checkpoint.Loaded | None:
-        nonlocal replan_note
+        nonlocal replan_note, cfg, auto_note
         if not path:
             return None
         # on the CPU: the RNG state must stay a CPU tensor; load_state_dict moves the rest to the params
         loaded = checkpoint.load(path, rank, world, map_location="cpu")
+        if cfg.comm == COMM_AUTO:  # the method the run chose at its start (its residuals are that method's)
+            saved = str(loaded.saved_config.get("comm", ""))
+            if not saved or saved == COMM_AUTO:
+                raise ConfigError(f"{os.path.join(path, 'train.pt')}: --comm auto cannot tell which method "
+                                  "this checkpoint trained with; pass that method with --comm")
+            cfg = dataclasses.replace(cfg, comm=saved)
+            auto_note = f"--comm auto: {saved}, the method of the checkpoint (no new measurement on resume)"
         checkpoint.check_resumable(loaded, {}, path, cfg.to_dict(), fingerprint)  # model, optimizer, data
         if 0 < cfg.stop_at_step <= loaded.pos.global_step:
             raise ConfigError(f"--stop-at-step {cfg.stop_at_step}: {path} is already at global step "
@@ -305,6 +327,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     model = make_model(cfg, len(data.train.classes), device)
     if loaded is not None:
         _apply("model", train_file, lambda: model.load_state_dict(loaded.train["model"]), hint)
+    if cfg.comm == COMM_AUTO:  # a fresh start: measure this job's links, pick (COLLECTIVE)
+        cfg, auto_note = _choose_comm(cfg, info, model, device)
     ddp, state = make_ddp(model, cfg, device)
     optimizer = make_optimizer(cfg, model)
     amp = make_amp(cfg, device)
@@ -328,6 +352,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         pad_crop=pad_crop,
         pin_memory=device.type == "cuda")
     logger = MetricsLog(cfg.out, enabled=info.is_main)
+    if auto_note:
+        logger.say(auto_note)
     start_epoch, start_step, gstep = 0, 0, 0
     if loaded is not None:
         start_epoch, start_step, gstep = loaded.pos.epoch, loaded.pos.step, loaded.pos.global_step

@@ -57,9 +57,12 @@ def _f(default: Any, help: str, group: str, choices: tuple[str, ...] | None = No
     return field(default=default, metadata={"help": help, "group": group, "choices": choices})
 
 
+COMM_AUTO = "auto"  # --comm auto: measured at start, the cheapest method (trainer.comm.probe)
+
+
 def _method(text: str) -> str:
-    if text not in METHOD_CHOICES:
-        raise ConfigError(f"comm method {text!r}; choose one of {', '.join(METHOD_CHOICES)}")
+    if text not in (*METHOD_CHOICES, COMM_AUTO):
+        raise ConfigError(f"comm method {text!r}; choose one of {', '.join(METHOD_CHOICES)} or {COMM_AUTO}")
     return text
 
 
@@ -118,7 +121,9 @@ class TrainConfig:
     lars_eps: float = _f(0.0, "LARS eps in the trust ratio's denominator", "optimizer")
     # gradient communication
     comm: str = _f("allreduce", "comm method, or a schedule EPOCH:METHOD,... (e.g. 0:hitopk,13:torus); "
-                   f"methods: {', '.join(METHOD_CHOICES)}", "comm")
+                   f"methods: {', '.join(METHOD_CHOICES)}; or auto: the cheapest method by the cost model "
+                   "with this job's links and selection cost measured at start (a resume keeps the "
+                   "checkpoint's method)", "comm")
     selector: str = _f("mstopk", "top-k selector of the sparse methods", "comm", SELECTOR_CHOICES)
     density: float = _f(0.01, "fraction of each bucket the sparse methods send", "comm")
     error_feedback: bool = _f(True, "keep what top-k did not send and add it next step", "comm")
@@ -196,6 +201,9 @@ class TrainConfig:
                 raise ConfigError(f"local_master={self.local_master!r} is not host:port (e.g. 10.0.0.5:7000)")
         # parse every schedule now: a typo fails at start, on every rank alike
         _ = self.batch_schedule, self.resolution_schedule, self.comm_schedule, self.lr_schedule
+        if COMM_AUTO in {v for _, v in self.comm_schedule.phases} and len(self.comm_schedule.phases) > 1:
+            raise ConfigError(f"comm={self.comm!r}: auto picks one method for the whole run; use --comm auto "
+                              "alone, or a schedule of methods")
         _ = self.normalization
         if self.augment == "padcrop":
             sizes = {v for _, v in self.resolution_schedule.phases}
