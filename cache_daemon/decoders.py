@@ -95,6 +95,7 @@ class DaliDecoder:
         self.gpus: tuple[int, ...] | None = tuple(gpus) if gpus is not None else None
         self._pipeline: Any = None  # built on first use, in this process (module docstring)
         self._ready: dict[int, np.ndarray] = {}
+        self._refused: set[int] = set()  # ids of this chunk's files DALI refused alone (Pillow decides)
         self._pid = os.getpid()
         self._family: str | None = None
         self._broken, self._broken_until = "", 0.0  # why this process cannot build a pipeline, until when
@@ -103,7 +104,7 @@ class DaliDecoder:
     def __getstate__(self) -> dict[str, Any]:
         return {"device": self.device, "threads": self.threads, "max_batch": self.max_batch,
                 "gpus": self.gpus,
-                "_pipeline": None, "_ready": {}, "_pid": -1, "_family": self._family,
+                "_pipeline": None, "_ready": {}, "_refused": set(), "_pid": -1, "_family": self._family,
                 "_broken": "", "_broken_until": 0.0, "_counts": {"pillow_fallbacks": 0, "unavailable": 0}}
 
     @property
@@ -121,12 +122,14 @@ class DaliDecoder:
             else:
                 if self.gpus is None:
                     probe = probe_gpus()
-                    self.gpus = probe.ordinals
-                    if not probe and self.device == "gpu":
-                        from datacache.config import ConfigError
+                    self.gpus, why = probe.ordinals, probe.reason
+                else:
+                    why = "no GPU given"
+                if not self.gpus and self.device == "gpu":
+                    from datacache.config import ConfigError
 
-                        raise ConfigError(f"DALI decoder device \"gpu\": {probe.reason}; use device "
-                                          "\"auto\" or \"cpu\" to decode on the CPU (the dali family)")
+                    raise ConfigError(f"DALI decoder device \"gpu\": {why}; use device \"auto\" or "
+                                      "\"cpu\" to decode on the CPU (the dali family)")
                 self._family = "dali-gpu" if self.gpus else "dali"
         return self._family
 
@@ -224,6 +227,7 @@ class DaliDecoder:
     def prepare(self, datas: Sequence[Any], variant: Variant) -> None:
         """Decode every plain JPEG of a chunk in one pipeline run; the rest is left to Pillow."""
         self._ready.clear()
+        self._refused.clear()
         todo = [(d, plain_jpeg_target(d, variant)) for d in datas if isinstance(d, (bytes, bytearray))]
         todo = [(d, t) for d, t in todo if t is not None]
         if not todo:
@@ -243,6 +247,8 @@ class DaliDecoder:
         for (d, t), px in zip(todo, pixels):
             if px is not None and px.shape[:2] == (t[1], t[0]):
                 self._ready[id(d)] = px
+            elif px is None:
+                self._refused.add(id(d))  # refused alone while the pipeline works: not tried again
 
     def _decode_alone(self, data: bytes, target: tuple[int, int]) -> np.ndarray | None:
         """One plain JPEG through DALI; None when DALI cannot decode it (Pillow then decides). Raises
@@ -262,9 +268,13 @@ class DaliDecoder:
         if px is not None:
             return px
         target = plain_jpeg_target(data, variant) if isinstance(data, (bytes, bytearray)) else None
-        if target is not None:  # not prepared with its chunk (or refused in it): DALI decodes it alone
+        if target is not None:  # not decoded with its chunk: DALI decodes it alone (unless it refused)
             try:
-                px = self._decode_alone(data, target)
+                if id(data) in self._refused:  # prepare tried it alone with a working pipeline
+                    self._refused.discard(id(data))
+                    px = None
+                else:
+                    px = self._decode_alone(data, target)
             except DecoderUnavailable:
                 self._counts["unavailable"] += 1  # never Pillow's pixels under this family's key
                 raise

@@ -310,6 +310,15 @@ def test_a_file_dali_refuses_goes_to_pillow_and_is_counted(fake_dali: str, two_g
     assert rep.written == 41 and rep.pillow_fallbacks == 1 and rep.decoder_unavailable == 0
     px = records(reader)["c0/005.JPEG"]
     assert np.array_equal(px, decode_image(open(odd, "rb").read(), reader.variant))  # noqa: SIM115
+    refused = [e["batch"] for e in events(fake_dali) if e["event"] == "refused"]
+    assert sorted(refused) == [1, 16]  # in its chunk's batch, then alone: never a third time
+
+
+def test_device_gpu_with_no_gpu_given_is_refused(fake_dali: str) -> None:
+    from cache_daemon.decoders import DaliDecoder
+
+    with pytest.raises(ConfigError, match="no GPU given"):
+        _ = DaliDecoder(device="gpu", gpus=()).family
 
 
 def test_daemon_status_and_log_show_unfilled_samples(fake_dali: str, two_gpus: None, folder: str, tmp_path,

@@ -99,6 +99,7 @@ class _Pipeline:
         for data, size in zip(self.inputs["jpegs"], self.inputs["sizes"]):
             raw = data.tobytes()
             if b"dali-refuses" in raw:
+                _log({"event": "refused", "batch": len(self.inputs["jpegs"])})
                 raise RuntimeError("nvJPEG: unsupported stream (fake)")
             h, w = int(size[0]), int(size[1])
             img = Image.open(io.BytesIO(raw)).convert("RGB").resize((w, h), Image.BILINEAR)
