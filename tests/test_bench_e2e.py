@@ -117,3 +117,22 @@ def test_a_full_convergence_run_keeps_the_sampler_rows() -> None:
     assert new["ratios"] == {"topk_minus_dense_pp": 0.5, "sampler_local_q0.1_minus_global_pp": -1.0}
     assert new["config"] == {"world_size": 4, "sampler_rows": {"world_size": 3}}
     assert new["notes"] == ["new note", "sampler rows: measured"]
+
+
+def test_readme_splits_the_committed_gain_into_cache_compression_and_locality() -> None:
+    """The README's e2e rows multiply cache x compression x locality from the committed run's medians."""
+    import re
+    from pathlib import Path
+
+    root = Path(REPO)
+    doc = json.loads((root / "bench" / "results" / "e2e.json").read_text())
+    readme = (root / "README.md").read_text()
+    split = r"= cache ([0-9.]+)x × (?:HiTopK )?compression ([0-9.]+)x × locality ([0-9.]+)x"
+    parts = re.findall(split, readme)
+    assert len(parts) == 2, parts
+    for (cache, comp, loc), rate in zip(parts, ("1gbit", "0.05gbit")):
+        per = {k: v["samples_per_s"] for k, v in doc["results"][rate].items()}
+        want = (per["cache_global_dense"] / per["naive"],
+                per["cache_global_hitopk"] / per["cache_global_dense"],
+                per["cache_local_hitopk"] / per["cache_global_hitopk"])
+        assert [float(x) for x in (cache, comp, loc)] == [pytest.approx(w, abs=0.006) for w in want], rate
