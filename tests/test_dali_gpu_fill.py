@@ -43,7 +43,9 @@ UUIDS = ["GPU-aaaa1111", "GPU-bbbb2222", "GPU-cccc3333", "GPU-cccc4444"]
 
 @pytest.fixture
 def fake_dali(monkeypatch: pytest.MonkeyPatch, tmp_path) -> str:
-    """The stand-in DALI importable (here and in forked workers); returns its log file."""
+    """The stand-in DALI importable (here and in forked workers), in place of an installed DALI (CI has
+    one: its modules are taken out of ``sys.modules`` and put back by monkeypatch afterwards); returns
+    its log file."""
     for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(FAKE)
@@ -51,9 +53,12 @@ def fake_dali(monkeypatch: pytest.MonkeyPatch, tmp_path) -> str:
     monkeypatch.setenv("FAKE_DALI_LOG", log)
     for var in ("FAKE_DALI_FAIL_BUILD", "FAKE_DALI_FAIL_RUN_AFTER"):
         monkeypatch.delenv(var, raising=False)
+    import nvidia.dali
+
+    assert nvidia.dali.__file__.startswith(FAKE), nvidia.dali.__file__  # the stand-in, not a real DALI
     yield log
     for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
-        del sys.modules[name]
+        del sys.modules[name]  # the stand-in's; monkeypatch then restores what was imported before
 
 
 @pytest.fixture
@@ -148,6 +153,8 @@ def test_probe_says_why_there_is_no_gpu() -> None:
 PARENT = r"""
 import json, os, sys
 sys.path.insert(0, {fake!r})
+import nvidia.dali
+assert nvidia.dali.__file__.startswith({fake!r}), nvidia.dali.__file__
 record = {record!r}
 if {with_torch}:
     import torch
@@ -233,9 +240,12 @@ def test_each_pool_worker_decodes_on_its_own_gpu(fake_dali: str, two_gpus: None)
 
     dec = DaliDecoder(device="auto")
     assert dec.family == "dali-gpu" and dec.device_id == 0  # the parent (slot 0)
-    with mp.get_context("fork").Pool(3) as pool:
+    with mp.get_context("fork").Pool(2) as pool:
+        # worker numbers count every process this one started, so they are consecutive, not 0-based
+        slots = [p._identity[-1] - 1 for p in pool._pool]
         got = set(pool.map(_slot_and_device, [dec] * 30, chunksize=1))
-    assert {slot for slot, _ in got} <= {0, 1, 2} and all(dev == (0, 1)[slot % 2] for slot, dev in got)
+    assert {s % 2 for s in slots} == {0, 1}  # a pool of 2 spans both GPUs
+    assert got and all(slot in slots and dev == (0, 1)[slot % 2] for slot, dev in got)
 
 
 def test_gpu_fill_writes_dali_pixels_on_the_chosen_devices(fake_dali: str, two_gpus: None, folder: str,

@@ -2,7 +2,8 @@
 ``cache_daemon.decoders.DaliDecoder`` uses, to test what the daemon does around DALI: which kwargs each
 process builds its pipeline with, and what happens when a pipeline cannot be built or stops working.
 
-Put ``tests/fake_dali`` first on ``sys.path`` (``nvidia`` is a namespace package here). Controlled through
+Put ``tests/fake_dali`` first on ``sys.path`` and drop any imported ``nvidia`` modules: ``nvidia`` is a
+regular package here, so it wins over an installed DALI's (also regular) ``nvidia``. Controlled through
 the environment, so forked pool workers obey it too:
 
 * ``FAKE_DALI_LOG``: a file that gets one JSON line per pipeline built or refused (pid, kwargs, decoder
