@@ -32,6 +32,7 @@ from typing import Any
 
 from trainer.comm.names import METHOD_CHOICES as METHODS
 from trainer.comm.names import PHASES
+from trainer.comm.probe import fit_compute, fit_profile
 from trainer.comm.probe import measure_compute as _measure_compute
 from trainer.comm.probe import timed as _timed
 
@@ -180,13 +181,9 @@ def _analyse(raw: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
 
     L = raw["links"]
     raw_links = {k: cm.fit_link(L[k]["sizes_bytes"], L[k]["times_s"]) for k in ("intra", "inter")}
-    profiles = {k: cm.LinkProfile(**{c: cm.fit_collective(c, 2, L[f"{k}_{c}"]["sizes_bytes"],
-                                                          L[f"{k}_{c}"]["times_s"]) for c in cm.COLLECTIVES})
-                for k in ("intra", "inter")}
-    c = raw["compute"]
+    profiles = {k: fit_profile({c: L[f"{k}_{c}"] for c in cm.COLLECTIVES}, 2) for k in ("intra", "inter")}
     # reduce_s_per_elem stays 0: the fitted all_reduce / reduce_scatter times already hold the local sums.
-    compute = cm.ComputeParams(**{f"{k}_s_per_elem": cm.fit_per_element(c[k]["counts"], c[k]["times"])
-                                  for k in ("select", "dense", "scatter")})
+    compute = fit_compute(raw["compute"])
     out: dict[str, Any] = {"links": {k: asdict(v) for k, v in profiles.items()},
                            "raw_links_exchange": {k: asdict(v) for k, v in raw_links.items()},
                            "compute": asdict(compute), "raw": raw, "methods": {}}

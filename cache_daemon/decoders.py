@@ -117,21 +117,24 @@ class DaliDecoder:
         Resolved once per object, in the process that creates it (the daemon's parent): ``auto`` asks NVML
         (:func:`gpu_available`), so the keys' family is settled before the pool forks."""
         if self._family is None:
-            if self.device == "cpu":
-                self._family = "dali"
-            else:
-                if self.gpus is None:
-                    probe = probe_gpus()
-                    self.gpus, why = probe.ordinals, probe.reason
-                else:
-                    why = "no GPU given"
-                if not self.gpus and self.device == "gpu":
-                    from datacache.config import ConfigError
-
-                    raise ConfigError(f"DALI decoder device \"gpu\": {why}; use device \"auto\" or "
-                                      "\"cpu\" to decode on the CPU (the dali family)")
-                self._family = "dali-gpu" if self.gpus else "dali"
+            self._family = "dali" if self.device == "cpu" else self._gpu_family()
         return self._family
+
+    def _gpu_family(self) -> str:
+        """``auto``/``gpu``: ``dali-gpu`` when a GPU is visible (NVML, unless ``gpus`` was given), else
+        ``dali`` for ``auto`` and a ConfigError for ``gpu``."""
+        why = "no GPU given"
+        if self.gpus is None:
+            probe = probe_gpus()
+            self.gpus, why = probe.ordinals, probe.reason
+        if self.gpus:
+            return "dali-gpu"
+        if self.device == "gpu":
+            from datacache.config import ConfigError
+
+            raise ConfigError(f"DALI decoder device \"gpu\": {why}; use device \"auto\" or \"cpu\" to "
+                              "decode on the CPU (the dali family)")
+        return "dali"
 
     @property
     def device_id(self) -> int | None:
