@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu
+from bench import gpu, gpu_wheels
 from bench.gpu import Check
 
 REPO = Path(__file__).resolve().parent.parent
@@ -302,33 +302,33 @@ def _fake_wheel(folder: Path) -> Path:
 @pytest.mark.parametrize("use_pip", [True, False])
 def test_install_wheels_installs_only_what_fails_to_import(tmp_path: Path, use_pip: bool) -> None:
     wheel = _fake_wheel(tmp_path / "wheels")
-    assert gpu.wheel_modules(wheel) == ["bench_gpu_fake_pkg"]
+    assert gpu_wheels.wheel_modules(wheel) == ["bench_gpu_fake_pkg"]
     site = tmp_path / "site"
-    rep = gpu.install_wheels(tmp_path / "wheels", site, use_pip=use_pip)
+    rep = gpu_wheels.install_wheels(tmp_path / "wheels", site, use_pip=use_pip)
     assert rep["installed"] == [wheel.name] and rep["method"] == ("pip" if use_pip else "unzip")
     assert "still_failing" not in rep
     out = subprocess.run([sys.executable, "-c", "import bench_gpu_fake_pkg as m; print(m.VALUE)"],
                          env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "42", out.stderr
-    assert gpu.install_wheels(tmp_path / "wheels", site)["installed"] == []  # imports now: nothing to do
+    assert gpu_wheels.install_wheels(tmp_path / "wheels", site)["installed"] == []  # imports now
 
 
 def test_project_metadata_gives_fsspec_the_slowfile_entry_point(tmp_path: Path) -> None:
     from importlib import metadata
 
-    info = gpu.write_project_metadata(tmp_path)
+    info = gpu_wheels.write_project_metadata(tmp_path)
     (dist,) = metadata.distributions(path=[str(tmp_path)])
     assert dist.metadata["Name"] == "datacache" and info.name.endswith(".dist-info")
     eps = {e.name: e.value for e in dist.entry_points if e.group == "fsspec.specs"}
     assert eps == {"slowfile": "datacache.devtools.slowfs:SlowFileSystem"}
-    assert gpu.ensure_project_metadata(None, [REPO]) is None  # installed here: nothing written
+    assert gpu_wheels.ensure_project_metadata(None, [REPO]) is None  # installed here: nothing written
 
 
 def test_wheel_pins_cover_what_the_gpu_image_lacks() -> None:
     from importlib import metadata
 
-    pins = dict(p.split("==") for p in gpu.wheel_pins("3.12"))
+    pins = dict(p.split("==") for p in gpu_wheels.wheel_pins("3.12"))
     for name in ("lmdb", "msgpack", "xxhash", "redis", "pytest", "pytest-timeout", "matplotlib", "numpy"):
         assert pins[name] == metadata.version(name), name
     assert "torch" not in pins and not any(n.startswith("nvidia") for n in pins)
