@@ -312,8 +312,17 @@ class Daemon:
     def run(self, *, once: bool = False) -> int:
         """Serve until SIGTERM/SIGINT (or ``once`` done): 0 after a clean drain, 1 when the pass thread
         died of a bug; a forced stop never returns (the process exits with :data:`EXIT_FORCED`)."""
-        signal.signal(signal.SIGTERM, self._handle_signal)
-        signal.signal(signal.SIGINT, self._handle_signal)
+        # Signal boundary: the handlers are this process's until run() returns; the previous ones come
+        # back then, so an embedding process (a test, a notebook) does not keep a stopped daemon's
+        # handler -- children it forks later would inherit it and ignore SIGTERM (Process.terminate()).
+        previous = {sig: signal.signal(sig, self._handle_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._serve(once)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _serve(self, once: bool) -> int:
         from cache_daemon.http import make_server
 
         self.http = make_server(self, self.cfg.http_host, self.cfg.http_port)

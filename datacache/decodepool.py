@@ -16,6 +16,10 @@ the daemon:
   (SIGSTOP), wedged in a system call or died holding the task queue's lock. :meth:`DecodePool.close`
   waits for a clean exit at most ``timeout`` seconds, then SIGKILLs every worker (SIGKILL also ends
   a stopped process) and finishes ``Pool.terminate()`` in a daemon thread it never waits for.
+* **Exit never waits on it.** A pool nobody closed (an exception between ``get`` and ``close``, a
+  notebook that just exits) is SIGKILLed by an ``atexit`` hook before ``multiprocessing``'s own exit
+  handler runs: that handler terminates the pool and joins its workers, and a worker that ignores
+  SIGTERM (all of ours) and missed its stop sentinel kept the interpreter from exiting, for ever.
 * **Lost work is noticed.** A worker that dies mid-task (OOM killer, SIGKILL) takes its task with it:
   ``Pool`` starts a replacement but the result never comes. :meth:`DecodePool.check` raises
   :class:`WorkerLost` when any worker of the pool has exited, so the fill fails (and is retried)
@@ -31,19 +35,33 @@ no inherited handle is ever closed (or flushed) twice.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.util  # its exit handler is registered before ours (see _kill_unclosed_pools)
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("datacache.decodepool")
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+_LIVE: weakref.WeakSet[DecodePool] = weakref.WeakSet()  # pools with workers, for the exit hook
+
+
+@atexit.register
+def _kill_unclosed_pools() -> None:
+    # atexit runs last-registered first: multiprocessing.util (imported above) registered its handler
+    # before this one, so every pool still alive here is killed before it would join their workers.
+    for pool in list(_LIVE):
+        pool.kill()
 
 
 class WorkerLost(RuntimeError):
@@ -103,6 +121,7 @@ class DecodePool:
                 # the only way to learn their pids, and to SIGKILL them where terminate() would hang.
                 self._procs = list(self._pool._pool)
                 self.created += 1
+                _LIVE.add(self)
                 log.info("decode pool %d: %d processes (pids %s)", self.created, self.workers,
                          ", ".join(str(p.pid) for p in self._procs))
             return self._pool

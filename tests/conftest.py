@@ -16,13 +16,29 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from datacache.devtools.synth import make_imagefolder, write_bad_inputs
 
 pytest_plugins = ["tests.redis_utils"]  # real redis-server fixtures: redis_url, cluster_url, fresh_cluster
+
+_GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_signal_handler() -> Iterator[None]:
+    """A test that leaves a SIGTERM/SIGINT handler behind fails (and the handler is put back): every
+    child forked later in this pytest process would inherit it and ignore ``Process.terminate()`` --
+    a CI run once hung for an hour at exit that way (multiprocessing joins its daemonic children)."""
+    before = {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
+    yield
+    leaked = {sig: h for sig in _GUARDED_SIGNALS if (h := signal.getsignal(sig)) is not before[sig]}
+    for sig in leaked:
+        signal.signal(sig, before[sig])
+    assert not leaked, f"the test left signal handlers installed: {leaked}"
 
 
 @pytest.fixture(scope="session")

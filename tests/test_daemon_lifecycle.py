@@ -276,10 +276,13 @@ def test_killed_worker_fails_the_pass_a_fresh_pool_finishes_it(imagefolder_facto
     instead of waiting forever, the next pass forks a fresh pool, the dataset gets full, SIGTERM -> 0."""
     root = imagefolder_factory(classes=3, per_class=30, size=(80, 60))
     port, log = free_port(), str(tmp_path / "d.log")
-    p = start(tmp_path, "--cache", f"lmdb://{tmp_path}/cache", "--dataset", f"slowfile://{root}?latency_ms=40",
+    # 300 ms a file: the first pass lasts seconds, so the kill below lands while chunks are in flight (at
+    # 40 ms a loaded CI machine once finished the pass before the kill, and nothing was lost to notice)
+    p = start(tmp_path, "--cache", f"lmdb://{tmp_path}/cache", "--dataset", f"slowfile://{root}?latency_ms=300",
               "--poll-interval", "0.1", "--http-port", str(port))
     (worker,) = wait_for(lambda: pool_pids(port), 60, p, log)
     os.kill(worker, signal.SIGKILL)
+    assert get(port, "/status")[1]["datasets"][0]["done"] < 90, "the pass ended before the kill: test is void"
     wait_for(lambda: get(port, "/status")[1]["datasets"][0]["status"] == "full", 120, p, log)
     status = get(port, "/status")[1]
     assert status["loop"]["pool"]["created"] == 2 and worker not in status["loop"]["pool"]["pids"]
@@ -370,6 +373,30 @@ def test_close_of_a_pool_with_a_stopped_worker_is_bounded() -> None:
     assert result == [False] and not any(alive(x) for x in pids)
     with pytest.raises(RuntimeError, match="closed"):
         pool.get()
+
+
+_UNCLOSED = """
+import time
+from datacache.decodepool import DecodePool
+pools = [DecodePool(2) for _ in range(3)]
+for p in pools:
+    assert sum(p.get().map(abs, range(-50, 50))) == 2500
+    p.get().apply_async(time.sleep, (5,))  # one worker busy when the interpreter exits
+time.sleep(0.5)
+print(" ".join(str(q) for p in pools for q in p.pids()), flush=True)
+"""  # and exits without closing any
+
+
+def test_an_unclosed_pool_never_holds_the_interpreter_at_exit() -> None:
+    """multiprocessing's exit handler terminates a pool nobody closed: it drains the task queue (the
+    busy worker's stop sentinel with it), SIGTERMs the workers and joins them. Ours ignore SIGTERM, so
+    the busy one, done with its task, waited for a sentinel that never came, and the interpreter for
+    it, for ever. The exit hook SIGKILLs unclosed pools first: the process exits, no worker is left."""
+    p = subprocess.run([sys.executable, "-c", _UNCLOSED], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert p.returncode == 0, p.stderr[-2000:]
+    pids = [int(x) for x in p.stdout.split()]
+    assert len(pids) == 6 and not any(alive(x) for x in pids)
 
 
 def test_pass_and_drain_timeouts_in_config(tmp_path) -> None:

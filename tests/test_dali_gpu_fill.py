@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -240,10 +239,14 @@ def test_each_pool_worker_decodes_on_its_own_gpu(fake_dali: str, two_gpus: None)
 
     dec = DaliDecoder(device="auto")
     assert dec.family == "dali-gpu" and dec.device_id == 0  # the parent (slot 0)
-    with mp.get_context("fork").Pool(2) as pool:
+    workers = DecodePool(2)  # the daemon's own pool (fork, workers ignore SIGTERM, bounded close)
+    try:
+        pool = workers.get()
         # worker numbers count every process this one started, so they are consecutive, not 0-based
         slots = [p._identity[-1] - 1 for p in pool._pool]
         got = set(pool.map(_slot_and_device, [dec] * 30, chunksize=1))
+    finally:
+        workers.close(timeout=10)
     assert {s % 2 for s in slots} == {0, 1}  # a pool of 2 spans both GPUs
     assert got and all(slot in slots and dev == (0, 1)[slot % 2] for slot, dev in got)
 
