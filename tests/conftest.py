@@ -101,3 +101,14 @@ def digits_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         ds = CachedImageNet(root, cache=cache, short_side=32)
         ds.__getitems__(list(range(len(ds))))
     return {"train": split.train, "val": split.val, "cache": cache}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Last line of defence for the exit: multiprocessing's exit handler SIGTERMs and then joins every
+    child still alive, and a child that ignores SIGTERM (a decode worker) would hold pytest -- and CI --
+    for ever. SIGKILL whatever a test left behind first."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=5)
