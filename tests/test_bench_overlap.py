@@ -39,6 +39,7 @@ def test_quick_run_writes_every_ratio(tmp_path: Path) -> None:
         assert ratios[f"overlap_vs_bound_{m}"] > 0 and ratios[f"overlap_vs_machine_bound_{m}"] > 0
         row = doc["results"]["table"]["fast"]["r50stack"][m]
         assert row["async"]["comm_busy_s"] > 0 and row["none"]["comm_busy_s"] is None
+        assert row["cross"]["comm_busy_s"] > 0 and ratios[f"overlap_{m}_cross_vs_sync"] > 0
         assert row["bound_s"] >= row["compute_s"] > 0 and row["cpu_floor_s"] > 0
         assert row["none"]["comm_inline_s"] > 0 and row["async"]["comm_inline_s"] is None
     assert (tmp_path / "overlap_quick.png").stat().st_size > 0
@@ -63,11 +64,19 @@ def test_ratio_names_and_bounds_from_measured_steps() -> None:
 
     res = {"compute/hitopk": run([0.10, 0.12, 0.11], [], [0.1] * 3),
            "hitopk/none": run([0.30, 0.32, 0.31], [], [0.1] * 3),
-           "hitopk/async": run([0.20, 0.21, 0.22], [0.18, 0.19, 0.17], [0.1] * 3)}
+           "hitopk/async": run([0.20, 0.21, 0.22], [0.18, 0.19, 0.17], [0.1] * 3),
+           "hitopk/cross": run([0.25, 0.24, 0.26], [0.2] * 3, [0.1] * 3)}
     table, ratios = analyse({"1": {"r50stack": res}, "0.2": {"r50stack": res}}, ["hitopk"], ["r50stack"], 2)
     row = table["1"]["r50stack"]["hitopk"]
     assert row["compute_s"] == 0.11 and row["comm_s"] == 0.18 and row["bound_s"] == 0.18
+    assert row["best_mode"] == "async"  # the headline ratio is the better overlap mode's
     assert ratios["overlap_hitopk_vs_sync"] == ratios["overlap_hitopk_vs_sync_0.2gbit"] == 0.31 / 0.21
+    assert ratios["overlap_hitopk_cross_vs_sync"] == 0.31 / 0.25
     assert ratios["overlap_vs_bound_hitopk"] == 0.18 / 0.21
     assert row["cpu_floor_s"] == pytest.approx(0.15)
     assert ratios["overlap_vs_machine_bound_hitopk"] == 0.18 / 0.21
+    res["hitopk/cross"]["step_s"] = [0.15, 0.16, 0.14]
+    table, ratios = analyse({"1": {"r50stack": res}}, ["hitopk"], ["r50stack"], 2)
+    assert table["1"]["r50stack"]["hitopk"]["best_mode"] == "cross"
+    assert ratios["overlap_hitopk_vs_sync"] == 0.31 / 0.15
+    assert ratios["overlap_vs_bound_hitopk"] == 0.18 / 0.15

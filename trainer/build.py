@@ -14,6 +14,7 @@ from torch import nn
 
 from datacache.config import ConfigError
 from trainer.comm import CommConfig, HookState, MethodSchedule, wrap
+from trainer.comm.cross_barrier import CrossBarrier, piece_optimizers
 from trainer.models import build_model
 from trainer.optim import LAMB, LARS
 from trainer.train_config import TrainConfig
@@ -68,8 +69,17 @@ def comm_config(cfg: TrainConfig) -> CommConfig:
 DDP = nn.parallel.DistributedDataParallel
 
 
-def make_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tuple[DDP, HookState]:
-    """DDP with the comm hook registered (COLLECTIVE: every rank, same order)."""
+def make_ddp(model: nn.Module, cfg: TrainConfig, device: torch.device,
+             optimizer: torch.optim.Optimizer | None = None) -> tuple[DDP | CrossBarrier, HookState]:
+    """DDP with the comm hook registered, or for ``--overlap cross`` the :class:`CrossBarrier` that
+    replaces DDP and steps ``optimizer`` piece by piece (COLLECTIVE: every rank, same order)."""
+    if cfg.overlap == "cross":
+        if optimizer is None:
+            raise ValueError("make_ddp: --overlap cross needs the optimizer (it steps it piece by piece)")
+        state = HookState(comm_config(cfg))
+        engine = CrossBarrier(model, piece_optimizers(optimizer), state, piece_mb=cfg.bucket_cap_mb,
+                              credit_mb=cfg.comm_credit_mb, timeout=cfg.dist_timeout)
+        return engine, state
     kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
     return wrap(model, comm_config(cfg), bucket_cap_mb=cfg.bucket_cap_mb, **kwargs)
 

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from trainer.build import Amp
 from trainer.comm import HookState, maybe_step
+from trainer.comm.cross_barrier import CrossBarrier
 from trainer.device_augment import DeviceAugment
 from trainer.prefetch import Prefetcher
 from trainer.schedule import LRSchedule
@@ -30,7 +31,7 @@ LOSS_EVERY = 10
 class StepContext:
     """What a training step needs (built once per run by :mod:`trainer.run`)."""
 
-    ddp: nn.parallel.DistributedDataParallel
+    ddp: nn.parallel.DistributedDataParallel | CrossBarrier  # --overlap cross: the engine replaces DDP
     optimizer: torch.optim.Optimizer
     state: HookState
     amp: Amp
@@ -64,6 +65,13 @@ class EpochStats:
         return self.data_wait_s / self.seconds if self.seconds > 0 else 0.0
 
 
+def drain(ctx: StepContext) -> None:
+    """Wait until every step so far is applied: ``--overlap cross`` updates pieces after ``backward``
+    returned; read parameters (checkpoint, evaluation) only after this. A no-op with DDP."""
+    if isinstance(ctx.ddp, CrossBarrier):
+        ctx.ddp.synchronize()
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -84,6 +92,10 @@ def train_step(ctx: StepContext, x: Tensor, y: Tensor, lr: float) -> tuple[Tenso
     set_lr(ctx.optimizer, lr)
     with ctx.amp.autocast():
         loss = ctx.loss_fn(ctx.ddp(x), y)
+    if isinstance(ctx.ddp, CrossBarrier):
+        # --overlap cross: the engine applies this step piece by piece after backward returns (with this
+        # step's lr) and clears the gradients itself; the verdict is its one host read.
+        return loss.detach(), ctx.ddp.backward(loss, lr=lr)
     if ctx.amp.scaler is not None:
         scaled = ctx.amp.scaler.scale(loss)
         ctx.state.grad_scale = loss_scale(ctx.amp.scaler)  # the hooks keep residuals unscaled with it
@@ -128,6 +140,7 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
         bar.update(1)
         if on_step is not None:
             on_step(step)
+    drain(ctx)  # --overlap cross: the epoch's last pieces applied (and counted) before it ends
     stats.seconds = time.perf_counter() - t0
     bar.close()
     stats.samples = pre.stats.samples

@@ -40,11 +40,12 @@ from trainer.build import (
     make_optimizer,
     tune_cudnn,
 )
+from trainer.comm.cross_barrier import CrossBarrier
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
 from trainer.epoch_rest import continue_epoch
-from trainer.loop import EpochStats, StepContext, train_epoch, validate
+from trainer.loop import EpochStats, StepContext, drain, train_epoch, validate
 from trainer.metrics import MetricsLog, epoch_line
 from trainer.rundir import RunLock, check_fresh_start
 from trainer.train_config import COMM_AUTO, TrainConfig
@@ -329,8 +330,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         _apply("model", train_file, lambda: model.load_state_dict(loaded.train["model"]), hint)
     if cfg.comm == COMM_AUTO:  # a fresh start: measure this job's links, pick (COLLECTIVE)
         cfg, auto_note = _choose_comm(cfg, info, model, device)
-    ddp, state = make_ddp(model, cfg, device)
     optimizer = make_optimizer(cfg, model)
+    ddp, state = make_ddp(model, cfg, device, optimizer)  # --overlap cross: steps the optimizer itself
     amp = make_amp(cfg, device)
     if loaded is not None:
         comm_state, comm_note = _comm_state(loaded, path or "", world, state)
@@ -357,7 +358,9 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     start_epoch, start_step, gstep = 0, 0, 0
     if loaded is not None:
         start_epoch, start_step, gstep = loaded.pos.epoch, loaded.pos.step, loaded.pos.global_step
-        if start_epoch < cfg.epochs:
+        if start_epoch < cfg.epochs and isinstance(ddp, CrossBarrier):
+            state.fresh = False  # its pieces are fixed from the start: no layout step to warm up
+        elif start_epoch < cfg.epochs:
             res = cfg.resolution_schedule.at(start_epoch)
             x = torch.zeros((sampler.batch_size, 3, res, res), device=device).contiguous(memory_format=fmt)
             layout_warmup(ddp, state, (x, torch.zeros(sampler.batch_size, dtype=torch.long, device=device)),
@@ -427,6 +430,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             _say_stop(logger, gstep, epoch + 1, cfg)
             break
     logger.write("end", epochs=len(result.epochs))
+    if isinstance(ddp, CrossBarrier):
+        ddp.close()  # its communication thread (after the last pieces) and its hooks
     state.close()  # the communication thread of --overlap async (none otherwise)
     if cluster is not None:
         cluster.close()  # the slot-map reader's own connections (the datasets keep theirs)
@@ -468,6 +473,7 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
 def _save(cfg: TrainConfig, info: DistInfo, model: nn.Module, ctx: StepContext, pruner: checkpoint.Pruner,
           dataset: dict[str, Any], pos: checkpoint.Position, schedules: dict[str, Any],
           sampler: DistributedBatchSampler) -> None:
+    drain(ctx)  # --overlap cross: every step so far applied before the weights are written
     d = checkpoint.save(cfg.out, rank=info.rank, pos=pos, model=model, optimizer=ctx.optimizer,
                         scaler=ctx.amp.scaler, comm_state=ctx.state.state_dict(), schedules=schedules,
                         config_json=cfg.to_json(), world_size=info.world_size, pruner=pruner,

@@ -130,9 +130,14 @@ class TrainConfig:
     fp16_comm: bool = _f(False, "float16 values on the wire", "comm")
     bucket_cap_mb: float = _f(25.0, "DDP bucket (fusion buffer) size in MB", "comm")
     overlap: str = _f("none", "when each bucket communicates: none (inside DDP's hook; backward waits, "
-                      "except the plain dense all-reduce) or async (on a communication thread / CUDA "
-                      "side stream while backward goes on; same results bit for bit)", "comm",
-                      OVERLAP_CHOICES)
+                      "except the plain dense all-reduce), async (on a communication thread / CUDA "
+                      "side stream while backward goes on; same results bit for bit) or cross (no DDP: "
+                      "pieces of --bucket-cap-mb started front layers first under --comm-credit-mb per "
+                      "round, each applied as it arrives while the next forward runs; CPU/gloo; no "
+                      "--pto, --fp16-comm or fp16 AMP)", "comm", OVERLAP_CHOICES)
+    comm_credit_mb: float = _f(8.0, "--overlap cross: MB of pieces one negotiation round may start "
+                               "(ByteScheduler's credit: smaller lets front layers overtake sooner, at one "
+                               "tiny all-reduce per round)", "comm")
     # augmentation
     augment: str = _f("rrc", "training crop: rrc (RandomResizedCrop to the resolution) or padcrop "
                       "(torchvision's RandomCrop(resolution, padding=--pad), zero fill: for small images; "
@@ -189,7 +194,7 @@ class TrainConfig:
                   "val_crop_fraction": 0 < self.val_crop_fraction <= 1,
                   "label_smoothing": 0 <= self.label_smoothing < 1, "momentum": 0 <= self.momentum < 1,
                   "weight_decay": self.weight_decay >= 0, "bucket_cap_mb": self.bucket_cap_mb > 0,
-                  "dist_timeout": self.dist_timeout > 0}
+                  "comm_credit_mb": self.comm_credit_mb > 0, "dist_timeout": self.dist_timeout > 0}
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is out of range")
@@ -205,6 +210,12 @@ class TrainConfig:
             raise ConfigError(f"comm={self.comm!r}: auto picks one method for the whole run; use --comm auto "
                               "alone, or a schedule of methods")
         _ = self.normalization
+        if self.overlap == "cross":  # each refusal names what to use instead (trainer/comm/cross_barrier.py)
+            for bad, why in ((self.pto, "--pto (its trust ratios need every piece first)"),
+                             (self.fp16_comm, "--fp16-comm (an fp16 sum may overflow late)"),
+                             (self.amp == "fp16", "--amp fp16 (GradScaler skips all parameters at once)")):
+                if bad:
+                    raise ConfigError(f"--overlap cross cannot run with {why}; use --overlap async")
         if self.augment == "padcrop":
             sizes = {v for _, v in self.resolution_schedule.phases}
             if len(sizes) > 1:

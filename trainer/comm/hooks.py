@@ -226,6 +226,9 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, state: HookState | 
         state = HookState(state)
     elif not isinstance(state, HookState):
         raise TypeError(f"register: expected a HookState or CommConfig, got {type(state).__name__}")
+    if state.config.overlap == "cross":
+        raise ValueError("register: overlap='cross' does not run inside DDP's hook; wrap the model in "
+                         "trainer.comm.cross_barrier.CrossBarrier instead (or use overlap='async')")
     state.set_param_names(ddp_model.module)
     state.fresh = True  # a new DDP starts with its first-iteration bucket layout
     state.ensure_topology()
