@@ -490,7 +490,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.quick and not a.worker:
         # 1 Gbit/s then unshaped: the ratio names of both kinds, and the switch to unshaped links
         a.rates, a.iters, a.warmup, a.scale, a.hidden, a.width, a.batch = "1,fast", 2, 1, 256.0, 32, 4, 8
-        a.bucket_mb = 0.02  # several buckets even for the tiny model
+        a.bucket_mb, a.block = 0.02, 2  # several buckets even for the tiny model
         a.models = a.models[:1]
     return a
 

@@ -26,16 +26,19 @@ from datacache.devtools.synth import make_imagefolder, write_bad_inputs
 pytest_plugins = ["tests.redis_utils"]  # real redis-server fixtures: redis_url, cluster_url, fresh_cluster
 
 _GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SESSION_HANDLERS = {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
 
 
 @pytest.fixture(autouse=True)
 def _no_leaked_signal_handler() -> Iterator[None]:
     """A test that leaves a SIGTERM/SIGINT handler behind fails (and the handler is put back): every
     child forked later in this pytest process would inherit it and ignore ``Process.terminate()`` --
-    a CI run once hung for an hour at exit that way (multiprocessing joins its daemonic children)."""
+    a CI run once hung for an hour at exit that way (multiprocessing joins its daemonic children).
+    Putting back pytest's own handler is no leak (a test that stops a module fixture's cluster)."""
     before = {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
     yield
-    leaked = {sig: h for sig in _GUARDED_SIGNALS if (h := signal.getsignal(sig)) is not before[sig]}
+    leaked = {sig: h for sig in _GUARDED_SIGNALS
+              if (h := signal.getsignal(sig)) is not before[sig] and h is not _SESSION_HANDLERS[sig]}
     for sig in leaked:
         signal.signal(sig, before[sig])
     assert not leaked, f"the test left signal handlers installed: {leaked}"
