@@ -255,8 +255,8 @@ class CrossBarrier:
             q.grad = None  # the thread hands the reduced gradient back to the optimizer
         pc.flat, pc.step, pc.pending = flat, self.step, len(pc.params)
         pc.times = {"ready": time.perf_counter()}
-        # One reduction, no mask the size of the piece (isfinite(flat).all() cost 20 ms a step on a
-        # ResNet-50-shaped model): a NaN/inf anywhere makes the sum non-finite, as the hooks' own check.
+        # One reduction, no bool mask the size of the piece (isfinite(flat).all() showed in profiles):
+        # a NaN/inf anywhere makes the sum non-finite, as in the hooks' own check.
         pc.local_bad = bool(self.state.config.nan_check) and not bool(torch.isfinite(flat.sum()))
         pc.released.clear()
         with self._cv:
