@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainer.comm.hooks import _plan, _reduce
+from trainer.comm.hooks import _plan, _reduce, current_method
 from trainer.comm.state import HookState
 
 log = logging.getLogger(__name__)
@@ -78,11 +78,12 @@ class _Piece:
     priority: int  # 0 = the model's first layers = started first
     params: list[nn.Parameter]
     numel: int
+    nbytes: int
     optimizer: torch.optim.Optimizer
     released: threading.Event = field(default_factory=threading.Event)
     pending: int = 0  # parameters of the current step still without a gradient
     flat: Tensor | None = None  # the step's local gradients, flattened (owned by the thread)
-    local_bad: bool = False
+    local_sum: Tensor | None = None  # sum of the step's local gradients (non-finite if any value is)
     step: int = -1  # the step whose gradients are queued
     reduced: Tensor | None = None  # the reduced gradient, until applied
     reduced_bad: bool = False
@@ -179,6 +180,7 @@ class CrossBarrier:
             dist.broadcast(b.data, src=0)
         n = len(groups)
         self.pieces = [_Piece(index=i, priority=n - 1 - i, params=g, numel=sum(p.numel() for p in g),
+                              nbytes=sum(p.numel() * p.element_size() for p in g),
                               optimizer=make_optimizer(g)) for i, g in enumerate(groups)]
         self._piece_of: dict[int, _Piece] = {id(p): pc for pc in self.pieces for p in pc.params}
         for pc in self.pieces:
@@ -249,15 +251,14 @@ class CrossBarrier:
         pc.pending -= 1
         if pc.pending:
             return
-        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in pc.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([q.grad.reshape(-1) for q in pc.params])  # every one has its gradient now
         for q in pc.params:
             q.grad = None  # the thread hands the reduced gradient back to the optimizer
         pc.flat, pc.step, pc.pending = flat, self.step, len(pc.params)
         pc.times = {"ready": time.perf_counter()}
-        # One reduction, no bool mask the size of the piece (isfinite(flat).all() showed in profiles):
-        # a NaN/inf anywhere makes the sum non-finite, as in the hooks' own check.
-        pc.local_bad = bool(self.state.config.nan_check) and not bool(torch.isfinite(flat.sum()))
+        # One reduction, no bool mask the size of the piece (isfinite(flat).all() showed in profiles), and
+        # no host read here: a NaN/inf anywhere makes the sum non-finite; backward() reads them all once.
+        pc.local_sum = flat.sum() if self.state.config.nan_check else None
         pc.released.clear()
         with self._cv:
             self._queued.append(pc)
@@ -281,8 +282,10 @@ class CrossBarrier:
             first = next(names.get(id(p), "?") for p in missing[0].params)
             raise CrossBarrierError(f"--overlap cross: {len(missing)} pieces got no gradient this step (e.g. "
                                     f"{first}); every parameter must be used in every step")
-        bad = torch.tensor([float(any(pc.local_bad for pc in self.pieces))])
+        bad = torch.zeros(1)
         if self.state.config.nan_check:
+            sums = torch.stack([pc.local_sum for pc in self.pieces if pc.local_sum is not None])
+            bad[0] = (~torch.isfinite(sums)).any()
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._verdict_group)
         skipped = bool(bad.item() > 0)  # HOST read: the step's one verdict
         with self._cv:
@@ -343,10 +346,10 @@ class CrossBarrier:
             chosen: list[_Piece] = []
             size = 0
             for pc in common:
-                if chosen and size + pc.numel * 4 > self.credit_bytes:
+                if chosen and size + pc.nbytes > self.credit_bytes:
                     break
                 chosen.append(pc)
-                size += pc.numel * 4
+                size += pc.nbytes
             for pc in chosen:
                 self._queued.remove(pc)
         if not chosen:  # cannot happen (module docstring); fail loudly rather than spin
@@ -358,9 +361,7 @@ class CrossBarrier:
         state = self.state
         assert pc.flat is not None
         started = time.perf_counter()
-        method = (state.config.method_at(state.step, state.epoch) if state.config.schedule is not None
-                  else state.config.method)
-        plan = _plan(state, pc, method, pc.numel)
+        plan = _plan(state, pc, current_method(state), pc.numel)
         out = _reduce(state, plan, pc.flat, blocking=True)
         assert isinstance(out, Tensor)
         flag = state.flags.combined()

@@ -190,9 +190,11 @@ def hitopk_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     return run_method(state, bucket, "hitopk")
 
 
-@_comm_hook
-def switch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The method ``state.config.schedule`` selects for the current step/epoch (host counters: no sync)."""
+def current_method(state: HookState) -> str:
+    """The method for the current step/epoch: the schedule's (a switch is logged and counted once) or the
+    config's one method. Host counters only: no sync."""
+    if state.config.schedule is None:
+        return state.config.method
     method = state.config.method_at(state.step, state.epoch)
     if method != state.active_method:
         if state.active_method is not None:
@@ -200,7 +202,13 @@ def switch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
                      state.active_method, method, state.step, state.epoch)
             state.switches += 1
         state.active_method = method
-    return run_method(state, bucket, method)
+    return method
+
+
+@_comm_hook
+def switch_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The method ``state.config.schedule`` selects for the current step/epoch (host counters: no sync)."""
+    return run_method(state, bucket, current_method(state))
 
 
 HOOKS: dict[str, Callable[[HookState, Any], torch.futures.Future[Tensor]]] = {
