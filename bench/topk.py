@@ -24,11 +24,12 @@ import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS_DIR, print_machine, write_results
-from trainer.comm.selector_registry import SELECTOR_CHOICES, get_selector
+from trainer.comm.names import SELECTOR_ALGORITHMS
+from trainer.comm.selector_registry import get_selector
 
 DENSITIES = (0.001, 0.01)
 METHODS = ("exact", "dgc", "mstopk")
-assert set(METHODS) == set(SELECTOR_CHOICES)
+assert set(METHODS) == set(SELECTOR_ALGORITHMS)  # "auto" runs one of them
 
 
 def recall_data(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:

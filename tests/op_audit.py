@@ -150,3 +150,37 @@ class OpCount(TorchDispatchMode):
         """One line: the counts and the launching ops, most frequent first."""
         ops = ", ".join(f"{name} x{n}" for name, n in self.by_op.most_common())
         return f"{self.launching} launching of {self.total} ops: {ops}"
+
+
+# Fused on CUDA even when a later list holds 0-d tensors (measured with the profiler on an H100,
+# torch 2.11: _foreach_addcmul_ over ResNet-50's 161 tensors with a list of 0-d scales ran 4 kernels).
+_FOREACH_SCALE_LIST_OK = ("_foreach_addcmul", "_foreach_addcdiv")
+
+
+class ForeachShapeAudit(TorchDispatchMode):
+    """Collect ``torch._foreach_*`` calls that CUDA runs one kernel per tensor instead of fused.
+
+    CUDA's multi-tensor kernels need every tensor list of a call to match the first one element by
+    element (shape, dtype, device); otherwise the op falls back to a loop over the tensors -- one launch
+    each (a ``_foreach_mul_`` of ResNet-50's 161 tensors by a list of 0-d trust ratios: 161 kernels,
+    against 3 with matching lists, measured on an H100). The CPU runs every foreach op as a loop, so this
+    is only visible here, by shape: ``slow`` lists ``"op: first shape vs other shape"``. addcmul/addcdiv
+    with 0-d scale lists are exempt (measured fused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.slow: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = _name(func)
+        if name.startswith("_foreach_"):
+            self.calls += 1
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+            exempt = name.startswith(_FOREACH_SCALE_LIST_OK)
+            for other in lists[1:]:
+                for x, y in zip(lists[0], other):
+                    if x.shape != y.shape and not (exempt and y.dim() == 0):
+                        self.slow.append(f"{name}: {tuple(x.shape)} vs {tuple(y.shape)}")
+                        break
+        return func(*args, **(kwargs or {}))

@@ -173,7 +173,8 @@ def test_loader_workers_make_the_same_batches_as_the_main_process(small_imagefol
 def test_pin_memory_and_to_device() -> None:  # pragma: no cover - GPU only
     batch = CropCollate(seed=0)([(im, 0) for im in _images(3)])
     pinned = batch.pin_memory()
-    assert pinned.pixels.is_pinned() and pinned.labels.is_pinned()
+    # the two tensors a batch holds (labels, flips are columns of meta, derived on access)
+    assert pinned.pixels.is_pinned() and pinned.meta.is_pinned()
     dev = pinned.to("cuda", non_blocking=True)
     assert torch.equal(dev.pixels.cpu(), batch.pixels) and dev.flips.device.type == "cuda"
     assert torch.equal(dev.padded().cpu(), batch.padded())  # the scatter on the GPU

@@ -50,7 +50,7 @@ from client.crop import (
     PadCropCollate,
     pack_windows,
 )
-from tests.op_audit import OpCount, SyncAudit
+from tests.op_audit import ForeachShapeAudit, OpCount, SyncAudit
 from trainer.device_augment import DeviceAugment, axis_weights, resize_matmul
 
 CUDA = torch.device("cuda", 0)
@@ -309,14 +309,15 @@ def _hook_syncs(rank: int, world: int) -> dict:
 
 
 def test_every_hook_runs_no_host_sync_with_fp16_on_and_off() -> None:
-    """allreduce / torus (dense), naive_ag / hitopk with mstopk and exact: no host sync in any
+    """allreduce / torus (dense), naive_ag / hitopk with auto, mstopk and exact: no host sync in any
     bucket's hook call, fp16 on or off. dgc syncs by design (a data-dependent count per threshold
     adjustment, trainer/comm/dgc.py) on buckets large enough to sample: the audit sees it there
     (naive_ag's whole buckets); hitopk's per-rank pieces are below its sampling size."""
     from tests.dist_utils import run_distributed
+    from trainer.comm.names import SELECTOR_CHOICES
 
     for found in run_distributed(_hook_syncs, world_size=4, local_size=2):
-        assert len(found) == 2 * 2 + 2 * 3 * 2
+        assert len(found) == 2 * 2 + 2 * len(SELECTOR_CHOICES) * 2
         for key, calls in found.items():
             assert calls, key  # the hook ran
             if "/dgc/" not in key:
@@ -389,3 +390,25 @@ def test_a_training_step_reads_the_device_once_and_optimizers_never() -> None:
                 assert calls == [""], (key, calls)
             else:
                 assert all(len(c.split(",")) == 1 and c for c in calls), (key, calls)
+
+
+@pytest.mark.parametrize("kind", ["lars", "lars_nesterov", "lamb"])
+def test_optimizer_steps_keep_every_foreach_call_fused_on_cuda(kind: str) -> None:
+    """LARS/LAMB scale each layer by a 0-d trust-ratio tensor: every ``_foreach_*`` call must keep its
+    lists' shapes matched (or be an addcmul with a 0-d scale list), or CUDA runs it as one kernel per
+    layer. Counted on ResNet-50's parameter shapes (161 tensors), weight decay on (its path scales too)."""
+    from trainer.models.resnet import resnet50
+    from trainer.optim.lamb import LAMB
+    from trainer.optim.lars import LARS
+
+    g = torch.Generator().manual_seed(0)
+    params = list(resnet50().parameters())
+    assert len(params) == 161
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt = (LAMB(params, lr=1e-3, weight_decay=0.01) if kind == "lamb" else
+           LARS(params, lr=0.1, momentum=0.9, weight_decay=5e-5, nesterov=kind == "lars_nesterov"))
+    for _ in range(2):  # the first step creates the state; both must be fused
+        with ForeachShapeAudit() as audit:
+            opt.step()
+        assert audit.calls >= 3 and audit.slow == [], audit.slow

@@ -200,6 +200,36 @@ def test_synth_is_deterministic_realistic_and_ships_real_photos(tmp_path) -> Non
     assert sorted(m.paths) == sorted(written)
 
 
+def test_shipped_files_this_pillow_cannot_decode_are_not_real_photos(tmp_path, monkeypatch) -> None:
+    """scikit-image ships TIFFs some Pillow builds cannot decode (the GPU image's could not): such a
+    file is left out, so a benchmark's naive Pillow baseline never meets it (it crashed on one)."""
+    import importlib.machinery
+    import importlib.util
+    import shutil
+
+    from datacache.devtools import synth
+
+    pkg = tmp_path / "skimage"
+    (pkg / "data").mkdir(parents=True)
+    good = next(p for p in synth.real_photo_files() if p.endswith("grace_hopper.jpg"))
+    shutil.copy(good, pkg / "data" / "photo.jpg")
+    (pkg / "data" / "multipage.tif").write_bytes(b"II*\x00" + bytes(64))  # a TIFF header, no decodable page
+    (pkg / "data" / "cut.png").write_bytes(raw_bytes(good)[:2000])         # cut short: fails in load()
+    real_find = importlib.util.find_spec
+
+    def find(name: str, *a, **kw):  # only scikit-image is redirected; matplotlib stays the real one
+        if name == "skimage":
+            spec = importlib.machinery.ModuleSpec("skimage", None, is_package=True)
+            spec.submodule_search_locations = [str(pkg)]
+            return spec
+        return real_find(name, *a, **kw)
+
+    monkeypatch.setattr(synth.importlib.util, "find_spec", find)
+    files = synth.real_photo_files()
+    assert str(pkg / "data" / "photo.jpg") in files
+    assert not any(f.endswith(("multipage.tif", "cut.png")) for f in files)
+
+
 def raw_bytes(p) -> bytes:
     with open(p, "rb") as f:
         return f.read()

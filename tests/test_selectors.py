@@ -202,6 +202,32 @@ def test_edge_cases(name: str) -> None:
     _check_contract(empty, 0, *select(empty, 5))
 
 
+def test_auto_runs_mstopk_on_the_cpu_and_torch_topk_on_the_device_path() -> None:
+    """``auto``: on CPU tensors MSTopK's result bit for bit (its tie rule: lowest indices); on the CUDA
+    code path (forced on the CPU) torch.topk's, with no host sync; exact either way (torch.topk's
+    magnitudes are the reference)."""
+    from trainer.comm.auto_topk import auto_resolves_to, auto_topk
+
+    x = _data("ties", LARGE, seed=3)
+    k = LARGE // 100
+    want = torch.topk(x.abs(), k).values
+    v, i = auto_topk(x, k)
+    mv, mi = mstopk(x, k)
+    assert torch.equal(i, mi) and torch.equal(v, mv) and auto_resolves_to("cpu") == "mstopk"
+    assert torch.equal(v.abs().sort(descending=True).values, want)
+    topk_keys.DEVICE_PATH_ON_CPU = True
+    try:
+        with SyncAudit() as audit:
+            dv, di = auto_topk(x, k)
+        ref = torch.topk(x.abs(), k, sorted=False).indices.to(torch.int32)
+    finally:
+        topk_keys.DEVICE_PATH_ON_CPU = False
+    assert audit.found == [] and torch.equal(di, ref) and torch.equal(dv, x[di.long()])
+    assert auto_resolves_to("cuda") == "exact"
+    xm = torch.empty(LARGE, device="meta")
+    assert auto_topk(xm, k)[1].shape == (k,)  # the device path runs on the meta device too
+
+
 def test_determinism_and_tie_rule() -> None:
     x = torch.full((D // 8,), 1.0)  # everything ties: the lowest indices win
     k = D // 800

@@ -124,7 +124,8 @@ class TrainConfig:
                    f"methods: {', '.join(METHOD_CHOICES)}; or auto: the cheapest method by the cost model "
                    "with this job's links and selection cost measured at start (a resume keeps the "
                    "checkpoint's method)", "comm")
-    selector: str = _f("mstopk", "top-k selector of the sparse methods", "comm", SELECTOR_CHOICES)
+    selector: str = _f("auto", "top-k selector of the sparse methods (auto: MSTopK on the CPU, torch.topk "
+                                "on CUDA, the faster of the two on each)", "comm", SELECTOR_CHOICES)
     density: float = _f(0.01, "fraction of each bucket the sparse methods send", "comm")
     error_feedback: bool = _f(True, "keep what top-k did not send and add it next step", "comm")
     fp16_comm: bool = _f(False, "float16 values on the wire", "comm")
@@ -311,7 +312,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "none": {},
     "dawnbench": dict(
         model="resnet50", epochs=28, resolution="0:96,13:128,24:224,27:288",
-        batch_size="0:256,27:128", batch_per_rank=True, comm="0:hitopk,13:torus", selector="mstopk",
+        batch_size="0:256,27:128", batch_per_rank=True, comm="0:hitopk,13:torus", selector="auto",
         density=0.01, optimizer="lars", pto=True, trust_coefficient=0.01, lars_eps=1e-6, momentum=0.9,
         weight_decay=5e-5, label_smoothing=0.1, lr=2.0, lr_scaling="linear", lr_ref_batch=256 * 128,
         warmup_epochs=2.0, warmup_start=0.01, decay="poly", poly_power=2.0, amp="auto",

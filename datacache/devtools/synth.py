@@ -64,8 +64,20 @@ def synth_image(rng: np.random.Generator, size: tuple[int, int], bias: np.ndarra
     return Image.fromarray(arr.astype(np.uint8), "RGB")
 
 
+def _pillow_decodes(path: str) -> bool:
+    """Whether this Pillow decodes ``path`` completely (a shipped TIFF may need a codec it lacks)."""
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except Exception:  # any failure: not a valid image for this Pillow, leave it out
+        return False
+    return True
+
+
 def real_photo_files() -> list[str]:
-    """Image files shipped by installed packages (scikit-image data, matplotlib sample_data)."""
+    """Image files shipped by installed packages (scikit-image data, matplotlib sample_data) that this
+    Pillow decodes: they stand for valid real photos (bad inputs are :func:`write_bad_inputs`' job), and
+    which files a package ships and which codecs a Pillow build has differ from machine to machine."""
     dirs: list[str] = []
     for pkg, sub in (("skimage", "data"), ("matplotlib", os.path.join("mpl-data", "sample_data"))):
         spec = importlib.util.find_spec(pkg)
@@ -77,7 +89,7 @@ def real_photo_files() -> list[str]:
     files = []
     for d in dirs:
         files += sorted(os.path.join(d, f) for f in os.listdir(d) if is_image(f))
-    return files
+    return [f for f in files if _pillow_decodes(f)]
 
 
 def _progress(it: Iterable, total: int, enabled: bool) -> Iterable:

@@ -38,7 +38,7 @@ class CommConfig:
     """
 
     method: str = "allreduce"
-    selector: str = "mstopk"
+    selector: str = "auto"
     density: float = 0.01
     fp16: bool = False
     error_feedback: bool = True

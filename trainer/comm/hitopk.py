@@ -97,7 +97,7 @@ def choose_final_gather(c: int, k: int, m: int, fp16: bool, final_gather: str = 
     return "sparse" if 2 * m * k * pair_bytes <= 4 * c else "dense"
 
 
-def hitopk_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
+def hitopk_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "auto",
               residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
               partition_numel: int = 0, check_finite: bool = True, inplace: bool = False,
               final_gather: str = "auto", divide_by: int = 1) -> tuple[Tensor, Tensor | None]:
@@ -184,7 +184,7 @@ def hitopk_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "
     return out, bad
 
 
-def hitopk(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
+def hitopk(flat: Tensor, topo: Topology, *, density: float, selector: str = "auto",
            residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
            partition_numel: int = 0, check_finite: bool = True, inplace: bool = False,
            final_gather: str = "auto", divide_by: int = 1) -> Tensor:

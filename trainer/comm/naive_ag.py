@@ -39,7 +39,7 @@ from trainer.comm.topology import Topology
 from trainer.comm.workspace import WORKSPACE
 
 
-def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
+def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str = "auto",
                 residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
                 check_finite: bool = True, inplace: bool = False, divide_by: int = 1
                 ) -> tuple[Tensor, Tensor | None]:
@@ -74,7 +74,7 @@ def naive_ag_ex(flat: Tensor, topo: Topology, *, density: float, selector: str =
     return out, bad
 
 
-def naive_ag(flat: Tensor, topo: Topology, *, density: float, selector: str = "mstopk",
+def naive_ag(flat: Tensor, topo: Topology, *, density: float, selector: str = "auto",
              residual: Tensor | None = None, fp16: bool = False, timer: PhaseTimer | None = None,
              check_finite: bool = True, inplace: bool = False, divide_by: int = 1) -> Tensor:
     """Element-wise SUM over ranks of each rank's top-k sparsified ``flat`` (+ ``residual``),

@@ -14,7 +14,8 @@ SPARSE_METHODS: tuple[str, ...] = ("naive_ag", "hitopk")  # top-k + error feedba
 OVERLAP_CHOICES: tuple[str, ...] = ("none", "async", "cross")
 
 # Top-k selectors (trainer/comm/selector_registry.py maps each name to its function).
-SELECTOR_CHOICES: tuple[str, ...] = ("mstopk", "exact", "dgc")
+SELECTOR_CHOICES: tuple[str, ...] = ("auto", "mstopk", "exact", "dgc")
+SELECTOR_ALGORITHMS: tuple[str, ...] = SELECTOR_CHOICES[1:]  # "auto" picks one of these per device
 
 # HiTopK's last intra-node step: the two forms, and the config value that picks one per call.
 FINAL_GATHER_FORMS: tuple[str, ...] = ("dense", "sparse")

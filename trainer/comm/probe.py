@@ -97,7 +97,7 @@ def measure_compute(d: int, rho: float, world: int, reps: int,
     from trainer.comm.sparse_ops import add_rows_, compensate, wire_and_flag
 
     dev = device or torch.device("cpu")
-    sel = get_selector("mstopk")
+    sel = get_selector("auto")  # what the methods run by default on this device
     g = torch.Generator().manual_seed(1234)
     flat, res = torch.randn(d, generator=g).to(dev), (torch.randn(d, generator=g) * 0.01).to(dev)
     out: dict[str, dict[str, list[float]]] = {k: {"counts": [], "times": []} for k in ("select", "dense",

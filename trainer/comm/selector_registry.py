@@ -4,6 +4,8 @@ Every selector has the signature ``(x: 1-D float Tensor, k: int) -> (values, ind
 returns exactly ``min(max(k, 0), numel)`` entries: ``values == x[indices]`` (signed, x.dtype),
 ``indices`` int32 and unique. NaN/inf rank above every finite magnitude (``topk_keys.py``).
 
+- ``auto`` (the default): ``mstopk`` on CPU tensors, ``exact`` on CUDA -- the faster of the two on
+  each, as measured (trainer/comm/auto_topk.py); decided from ``x.device``, no host sync.
 - ``mstopk``: exact, fixed-pass threshold search on magnitude keys (trainer/comm/mstopk.py);
   ties at the threshold go to the lowest indices; no host sync on CUDA.
 - ``exact``: ``torch.topk`` on ``|x|`` (trainer/comm/exact_topk.py); no host sync on CUDA.
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from trainer.comm.auto_topk import auto_topk
 from trainer.comm.dgc import dgc_topk
 from trainer.comm.exact_topk import exact_topk
 from trainer.comm.mstopk import mstopk
@@ -24,7 +27,7 @@ from trainer.comm.names import SELECTOR_CHOICES, check_choice
 
 Selector = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
-_SELECTORS: dict[str, Selector] = {"mstopk": mstopk, "exact": exact_topk, "dgc": dgc_topk}
+_SELECTORS: dict[str, Selector] = {"auto": auto_topk, "mstopk": mstopk, "exact": exact_topk, "dgc": dgc_topk}
 assert tuple(_SELECTORS) == SELECTOR_CHOICES
 
 
@@ -33,4 +36,4 @@ def get_selector(name: str) -> Selector:
     return _SELECTORS[check_choice("top-k selector", name, SELECTOR_CHOICES)]
 
 
-__all__ = ["SELECTOR_CHOICES", "Selector", "dgc_topk", "exact_topk", "get_selector", "mstopk"]
+__all__ = ["SELECTOR_CHOICES", "Selector", "auto_topk", "dgc_topk", "exact_topk", "get_selector", "mstopk"]

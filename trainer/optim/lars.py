@@ -170,9 +170,11 @@ class LARS(Optimizer):
             if not nesterov:
                 torch._foreach_add_(params, bufs, alpha=-lr)
                 return
-        # w -= lr * d  ==  w * (1 - lr * trust * wd) - lr * trust * g   (old w: scale first)
+        # w -= lr * d  ==  w - lr * (trust * wd) * w - lr * trust * g   (old w: decay first). Launch
+        # hazard: multiplying by a list of 0-d tensors (_foreach_mul_) takes one kernel per tensor on
+        # CUDA; _foreach_addcmul_ with that list stays on the fused multi-tensor kernels.
         if decay is not None:
-            torch._foreach_mul_(params, torch._foreach_add(torch._foreach_mul(decay, -lr), 1.0))
+            torch._foreach_addcmul_(params, params, decay, value=-lr)
         if trust is None:
             torch._foreach_add_(params, grads, alpha=-lr)
         else:
