@@ -19,6 +19,8 @@ that the budget ends while it runs ``stopped: budget``; neither counts as a fail
 * ``train-gpu`` -- the prefetcher benchmark, :func:`bench.train_gpu.gpu_part` (ResNet-50 at 128 px,
   fp16, batch 256, with and without the prefetcher) on the 2,000-image dataset of ``bench.train``,
   started alone in a fresh process: writes ``train_gpu.json``.
+* ``kernels`` -- ``python -m bench.gpu_kernels``: CUDA kernels per call of the foreach forms the
+  optimizers use, LARS/LAMB steps and device augmentation: writes ``gpu_kernels_gpu.json``/``.png``.
 * ``train-quick`` -- ``python -m bench.train --quick``: the documented path (CPU part, then the GPU
   part in the same process) runs through; its numbers are a smoke run's and are not kept.
 * ``cuda-files-rest`` -- the other tests of the CUDA test files, under the CUDA build of torch
@@ -159,6 +161,10 @@ def build_checks() -> list[Check]:
               writes=("train_gpu.json",),
               note="bench.train_gpu.gpu_part alone (prefetcher vs none, ResNet-50 128 px fp16, batch 256, "
                    "2,000 images); no --quick exists or is needed"),
+        Check("kernels", "bench", (py, "-m", "bench.gpu_kernels"), timeout_s=120, expect_s=30,
+              writes=("gpu_kernels_gpu.json", "gpu_kernels_gpu.png"),
+              note="CUDA kernels per call (profiler): foreach forms with 0-d lists, LARS/LAMB steps, "
+                   "device augmentation of 256 and 32 images"),
         Check("train-quick", "bench", (py, "-m", "bench.train", "--quick"), timeout_s=240, expect_s=120,
               note="--quick: only that `python -m bench.train` reaches and finishes its GPU part; its "
                    "files (train_quick.*, a 300-image train_gpu.json) are not kept"),

@@ -285,7 +285,7 @@ def test_training_step_sync_free_on_one_gpu() -> None:  # pragma: no cover - nee
     """One NCCL rank: every method/selector/fp16 combination runs backward (hooks included)
     under ``set_sync_debug_mode("error")``; replicas are trivially equal, so only syncs are checked."""
     configs = [CommConfig(method=m, selector=s, fp16=f, density=0.05, min_numel_for_sparse=0)
-               for m in METHOD_CHOICES for s in ("mstopk", "exact") for f in (False, True)]
+               for m in METHOD_CHOICES for s in ("auto", "mstopk", "exact") for f in (False, True)]
     run_distributed(_cuda_sync_steps, world_size=1, local_size=1, backend="nccl", args=(configs,))
 
 
