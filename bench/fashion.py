@@ -18,8 +18,9 @@ split after the last epoch. Rows (``--rows GROUP,...``, default all; each group 
   ``topk`` (exact: torch.topk, NaiveAG), ``mstopk`` (MSTopK, NaiveAG), ``hitopk`` (HiTopKComm over
   MSTopK), ``dgc`` (DGC's sampled threshold, NaiveAG). Targets: every sparse row within 0.5 pp of
   ``dense_s0`` at 1 %, within 1.0 pp at 0.1 %; MSTopK not below TopK;
-* ``warmup``: ``mstopk_0.1pct_warm2_s0``, the 0.1 % miss worked on: 2 dense epochs
-  (``--comm 0:allreduce,2:naive_ag``), then MSTopK at 0.1 % with error feedback;
+* ``warmup``: ``<method>_0.1pct_warm2_s0`` for every sparse method, the 0.1 % miss worked on: 2 dense
+  epochs (``--comm 0:allreduce,2:naive_ag``, or ``2:hitopk``), then the method at 0.1 % with error
+  feedback; ``sparse_worst_warm2_minus_dense_pp_0.1pct`` once all four are measured;
 * ``wide``: ``dense_w16_s0``, the same recipe at ``--width 16`` (308,826 parameters);
 * ``elastic``: ``elastic_s0``, ``dense_s0``'s run with two world-size changes mid-epoch: 2 x 2 ranks
   stopped after global step 1,521 (epoch 7, step 117 of 234; ``--stop-at-step``), resumed on one node
@@ -109,10 +110,14 @@ def rows_of(group: str, quick: bool) -> dict[str, tuple[str, list[str]]]:
                 out[f"{m}_{d}_s0"] = ("trainer", [*extra, "--density", rho, "--error-feedback",
                                                   "--seed", "0"])
         return out
-    if group == "warmup":  # the 0.1 % miss worked on: dense first epochs, then the sparse method
-        warm = ["--comm", "0:allreduce,2:naive_ag", "--selector", "mstopk", "--density", "0.001",
-                "--error-feedback", "--seed", "0"]
-        return {"mstopk_0.1pct_warm2_s0": ("trainer", warm)}
+    if group == "warmup":  # the 0.1 % miss worked on: 2 dense epochs, then each sparse method
+        out = {}
+        for m, extra in SPARSE.items():
+            method, selector = extra[1], extra[3]
+            out[f"{m}_0.1pct_warm2_s0"] = ("trainer", ["--comm", f"0:allreduce,2:{method}", "--selector",
+                                                        selector, "--density", "0.001", "--error-feedback",
+                                                        "--seed", "0"])
+        return out
     if group == "wide":
         return {"dense_w16_s0": ("trainer", ["--comm", "allreduce", "--width", "16", "--seed", "0"])}
     if group == "elastic":
@@ -169,8 +174,12 @@ def ratios_of(rows: dict[str, dict[str, Any]]) -> tuple[dict[str, float | None],
         ratios[f"mstopk_minus_topk_pp_{d}"] = ms - t if t is not None and ms is not None else None
     ratios["torus_minus_dense_pp"] = (top["torus_s0"] - base) if "torus_s0" in top and base is not None \
         else None
-    if "mstopk_0.1pct_warm2_s0" in top and base is not None:
-        ratios["mstopk_0.1pct_warm2_minus_dense_pp"] = top["mstopk_0.1pct_warm2_s0"] - base
+    warm = {m: top[f"{m}_0.1pct_warm2_s0"] - base for m in SPARSE
+            if f"{m}_0.1pct_warm2_s0" in top and base is not None}
+    for m, value in warm.items():
+        ratios[f"{m}_0.1pct_warm2_minus_dense_pp"] = value
+    if len(warm) == len(SPARSE):
+        ratios["sparse_worst_warm2_minus_dense_pp_0.1pct"] = min(warm.values())
     elastic = top.get("elastic_s0")
     ratios["elastic_minus_dense_pp"] = elastic - base if elastic is not None and base is not None else None
     g, loc = top.get("sampler_global_s0"), top.get("sampler_local_s0")

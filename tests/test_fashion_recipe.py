@@ -158,3 +158,27 @@ def test_readme_accuracy_section_is_the_json() -> None:
     assert f"spread {extra['dense_spread_pp']:.2f} / {extra['reference_spread_pp']:.2f} pp" in prose
     assert f"{ratios['cache_vs_reference_samples_per_s']:.2f}x as many samples per second" in prose
     assert re.search(r"ResNet18.*\| 11\.2M \|", body)
+
+
+def test_warmup_rows_cover_every_sparse_method_and_their_worst() -> None:
+    """``--rows warmup``: 2 dense epochs then each sparse method at 0.1 %; the worst of the four is
+    reported only once every one is measured."""
+    from bench.fashion import SPARSE, ratios_of, rows_of
+
+    rows = rows_of("warmup", quick=False)
+    assert sorted(rows) == sorted(f"{m}_0.1pct_warm2_s0" for m in SPARSE)
+    for m, (launcher, args) in rows.items():
+        method = SPARSE[m.split("_")[0]]
+        assert launcher == "trainer" and args[args.index("--comm") + 1] == f"0:allreduce,2:{method[1]}"
+        assert args[args.index("--selector") + 1] == method[3] and "0.001" in args
+
+    def row(top1: float) -> dict:
+        return {"top1": top1, "samples_per_s_median": 1.0}
+
+    some = {"dense_s0": row(0.9), "topk_0.1pct_warm2_s0": row(0.895), "dgc_0.1pct_warm2_s0": row(0.893)}
+    ratios, _, _ = ratios_of(some)
+    assert round(ratios["topk_0.1pct_warm2_minus_dense_pp"], 6) == -0.5
+    assert "sparse_worst_warm2_minus_dense_pp_0.1pct" not in ratios
+    every = {**some, "mstopk_0.1pct_warm2_s0": row(0.899), "hitopk_0.1pct_warm2_s0": row(0.901)}
+    ratios, _, _ = ratios_of(every)
+    assert round(ratios["sparse_worst_warm2_minus_dense_pp_0.1pct"], 6) == -0.7
