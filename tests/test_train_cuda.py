@@ -54,6 +54,8 @@ def _stop_and_resume(digits: dict, tmp_path, device: str, amp: str) -> list[dict
     assert last["val_top1"] >= 0.85, epochs  # a trained model, not only a run that did not crash
     starts = _records(out, "start")
     assert len(starts) == 2 and all(s["device"].startswith(device) for s in starts)
+    # selector auto (the default): MSTopK on the CPU, torch.topk on CUDA, and the start record says which
+    assert {s["selector"] for s in starts} == {"mstopk" if device == "cpu" else "exact"}
     return epochs
 
 

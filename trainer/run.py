@@ -40,6 +40,7 @@ from trainer.build import (
     make_optimizer,
     tune_cudnn,
 )
+from trainer.comm.auto_topk import auto_resolves_to
 from trainer.comm.cross_barrier import CrossBarrier
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
@@ -368,8 +369,11 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         logger.say(f"resumed from {path}: epoch {start_epoch + 1}, step {start_step}{replan_note}{comm_note}")
     pruner = checkpoint.Pruner(os.path.join(cfg.out, "checkpoints"), cfg.keep_checkpoints)
     _say_locality(logger, cfg, cluster, mine, why, masters_by_node)
+    # the selector that runs ("auto" decides per device: MSTopK on the CPU, torch.topk on CUDA)
+    selector = auto_resolves_to(device.type) if cfg.selector == "auto" else cfg.selector
     logger.write("start", config=cfg.to_dict(), world_size=world, nodes=info.nodes, device=str(device),
-                 train_samples=len(data.train_idx), val_samples=len(data.val_idx), resumed_from=path)
+                 train_samples=len(data.train_idx), val_samples=len(data.val_idx), resumed_from=path,
+                 selector=selector)
     result = RunResult(model=model, resumed_from=path)
     val_loaders: dict[int, Any] = {}  # one persistent loader per resolution
     for epoch in range(start_epoch, cfg.epochs):

@@ -23,5 +23,5 @@ def auto_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def auto_resolves_to(device_type: str) -> str:
-    """The selector ``auto`` runs on tensors of ``device_type`` (for logs and the cost model)."""
+    """The selector ``auto`` runs on tensors of ``device_type`` (the trainer's ``start`` record says it)."""
     return "mstopk" if device_type == "cpu" else "exact"
