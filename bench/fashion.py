@@ -111,13 +111,10 @@ def rows_of(group: str, quick: bool) -> dict[str, tuple[str, list[str]]]:
                                                   "--seed", "0"])
         return out
     if group == "warmup":  # the 0.1 % miss worked on: 2 dense epochs, then each sparse method
-        out = {}
-        for m, extra in SPARSE.items():
-            method, selector = extra[1], extra[3]
-            out[f"{m}_0.1pct_warm2_s0"] = ("trainer", ["--comm", f"0:allreduce,2:{method}", "--selector",
-                                                        selector, "--density", "0.001", "--error-feedback",
-                                                        "--seed", "0"])
-        return out
+        # each SPARSE entry is ["--comm", METHOD, "--selector", SELECTOR]: METHOD runs from epoch 2 on
+        tail = ["--density", "0.001", "--error-feedback", "--seed", "0"]
+        return {f"{m}_0.1pct_warm2_s0": ("trainer", ["--comm", f"0:allreduce,2:{ex[1]}", *ex[2:], *tail])
+                for m, ex in SPARSE.items()}
     if group == "wide":
         return {"dense_w16_s0": ("trainer", ["--comm", "allreduce", "--width", "16", "--seed", "0"])}
     if group == "elastic":
