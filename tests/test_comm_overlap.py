@@ -296,10 +296,10 @@ def test_trainer_flag_reaches_the_hooks(capsys: pytest.CaptureFixture[str]) -> N
 
     assert comm_config(make_config(overlap="async", comm="0:hitopk,3:torus")).overlap == "async"
     assert comm_config(make_config()).overlap == "none"
-    with pytest.raises(ConfigError, match="choose one of none, async, cross"):
+    with pytest.raises(ConfigError, match="choose one of none, async, cross, auto"):
         make_config(overlap="later")
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    assert "--overlap {none,async,cross}" in out and "same results bit for bit" in " ".join(out.split())
+    assert "--overlap {none,async,cross,auto}" in out and "same results bit for bit" in " ".join(out.split())
     assert "--comm-credit-mb" in out

@@ -182,3 +182,30 @@ def test_warmup_rows_cover_every_sparse_method_and_their_worst() -> None:
     every = {**some, "mstopk_0.1pct_warm2_s0": row(0.899), "hitopk_0.1pct_warm2_s0": row(0.901)}
     ratios, _, _ = ratios_of(every)
     assert round(ratios["sparse_worst_warm2_minus_dense_pp_0.1pct"], 6) == -0.7
+
+
+def test_seed1_rows_repeat_the_1pct_pair_and_the_ratio_averages_the_seeds() -> None:
+    """``--rows seed1``: TopK and MSTopK at 1 % with seed 1; ``mstopk_minus_topk_pp_1pct`` is the mean of
+    the per-seed differences once both seeds are measured (seed 0 alone before)."""
+    from bench.fashion import SPARSE, ratios_of, rows_of
+
+    rows = rows_of("seed1", quick=False)
+    assert sorted(rows) == ["mstopk_1pct_s1", "topk_1pct_s1"]
+    for name, (launcher, args) in rows.items():
+        method = SPARSE[name.split("_")[0]]
+        assert launcher == "trainer" and args[:4] == method
+        assert args[args.index("--seed") + 1] == "1" and args[args.index("--density") + 1] == "0.01"
+        assert "--error-feedback" in args
+
+    def row(top1: float) -> dict:
+        return {"top1": top1, "samples_per_s_median": 1.0}
+
+    one = {"dense_s0": row(0.92), "topk_1pct_s0": row(0.915), "mstopk_1pct_s0": row(0.914)}
+    ratios, extra, _ = ratios_of(one)
+    assert round(ratios["mstopk_minus_topk_pp_1pct"], 6) == -0.1
+    assert "mstopk_minus_topk_per_seed_pp_1pct" not in extra
+    both = {**one, "topk_1pct_s1": row(0.910), "mstopk_1pct_s1": row(0.913)}
+    ratios, extra, _ = ratios_of(both)
+    assert round(ratios["mstopk_minus_topk_pp_1pct"], 6) == 0.1  # mean of -0.1 and +0.3
+    assert {k: round(v, 6) for k, v in extra["mstopk_minus_topk_per_seed_pp_1pct"].items()} == \
+        {"s0": -0.1, "s1": 0.3}

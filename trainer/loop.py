@@ -20,6 +20,7 @@ from tqdm import tqdm
 from trainer.build import Amp
 from trainer.comm import HookState, maybe_step
 from trainer.comm.cross_barrier import CrossBarrier
+from trainer.comm.overlap_auto import OverlapTuner
 from trainer.device_augment import DeviceAugment
 from trainer.prefetch import Prefetcher
 from trainer.schedule import LRSchedule
@@ -39,6 +40,7 @@ class StepContext:
     augment: DeviceAugment
     device: torch.device
     lr_schedule: LRSchedule
+    tuner: OverlapTuner | None = None  # --overlap auto: times none vs async on the first steps
 
 
 @dataclass
@@ -128,7 +130,11 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
     t0 = time.perf_counter()
     for x, y in pre:
         lr = ctx.lr_schedule.at(epoch + step / steps_in_epoch, global_batch)
+        if ctx.tuner is not None:  # --overlap auto: this step's mode, and its clock (not the data wait)
+            ctx.tuner.before_step()
         loss, _ = train_step(ctx, x, y, lr)
+        if ctx.tuner is not None:
+            ctx.tuner.after_step()  # COLLECTIVE at its last measuring step (same step on every rank)
         total += loss
         stats.lr = lr
         if record_losses:

@@ -42,6 +42,7 @@ from trainer.build import (
 )
 from trainer.comm.auto_topk import auto_resolves_to
 from trainer.comm.cross_barrier import CrossBarrier
+from trainer.comm.overlap_auto import OverlapTuner
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
@@ -347,7 +348,10 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         torch.set_rng_state(loaded.train["rng"])
     fmt = torch.channels_last if channels_last(cfg, device) else torch.contiguous_format
     ctx = StepContext(ddp, optimizer, state, amp, nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
-                      DeviceAugment(*cfg.normalization, memory_format=fmt), device, cfg.lr_schedule)
+                      DeviceAugment(*cfg.normalization, memory_format=fmt), device, cfg.lr_schedule,
+                      # --overlap auto: measured again after a resume (same results either way; the
+                      # machines may differ)
+                      OverlapTuner(state, device=device) if cfg.overlap == "auto" else None)
     pad_crop = (cfg.resolution_schedule.at(0), cfg.pad) if cfg.augment == "padcrop" else None
     loader = make_loader(data, sampler) if make_loader is not None else train_loader(
         data.train, sampler, workers=cfg.workers, seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip,
@@ -376,6 +380,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
                  selector=selector)
     result = RunResult(model=model, resumed_from=path)
     val_loaders: dict[int, Any] = {}  # one persistent loader per resolution
+    overlap_said = False  # --overlap auto's decision, logged once after the epoch it came in
     for epoch in range(start_epoch, cfg.epochs):
         res = cfg.resolution_schedule.at(epoch)
         gbs = _epoch_batch(cfg, sampler, epoch, world)
@@ -412,6 +417,13 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         result.step_losses += stats.step_losses
         rec = _epoch_record(cfg, data, stats, before, res, gbs, world, device)
         rec["comm_method"] = state.active_method or state.config.method  # what the hooks ran
+        rec["overlap"] = "cross" if isinstance(ddp, CrossBarrier) else state.overlap  # in force at the end
+        decision = ctx.tuner.decision if ctx.tuner is not None else None
+        if decision is not None and not overlap_said:
+            overlap_said = True
+            logger.say(decision.line())
+            logger.write("overlap_auto", mode=decision.mode, none_s=decision.none_s, async_s=decision.async_s,
+                         steps_per_mode=decision.steps_per_mode, ranks=decision.world)
         rec["sampler"] = cfg.sampler
         if isinstance(sampler, locality.LocalityBatchSampler):
             rec["planned_local_fraction"] = sampler.local_fraction()

@@ -135,7 +135,8 @@ class TrainConfig:
                       "side stream while backward goes on; same results bit for bit) or cross (no DDP: "
                       "pieces of --bucket-cap-mb started front layers first under --comm-credit-mb per "
                       "round, each applied as it arrives while the next forward runs; CPU/gloo; no "
-                      "--pto, --fp16-comm or fp16 AMP)", "comm", OVERLAP_CHOICES)
+                      "--pto, --fp16-comm or fp16 AMP) or auto (none and async timed on the first 19 "
+                      "steps, the faster kept and logged)", "comm", OVERLAP_CHOICES)
     comm_credit_mb: float = _f(8.0, "--overlap cross: MB of pieces one negotiation round may start "
                                "(ByteScheduler's credit: smaller lets front layers overtake sooner, at one "
                                "tiny all-reduce per round)", "comm")

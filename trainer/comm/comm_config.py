@@ -33,8 +33,9 @@ class CommConfig:
     schedule: a ``MethodSchedule`` switching the method by step or epoch; overlap: one of
     ``OVERLAP_CHOICES``: "none" runs each bucket's method inside DDP's hook (backward waits for
     it, except the plain dense all-reduce), "async" on a communication thread / CUDA side stream
-    in bucket order, same results bit for bit (trainer/comm/comm_thread.py); "cross" is not a DDP
-    hook mode: :class:`~trainer.comm.cross_barrier.CrossBarrier` replaces DDP (``register`` refuses it).
+    in bucket order, same results bit for bit (trainer/comm/comm_thread.py); "auto" times both on the
+    first steps and keeps the faster (trainer/comm/overlap_auto.py); "cross" is not a DDP hook mode:
+    :class:`~trainer.comm.cross_barrier.CrossBarrier` replaces DDP (``register`` refuses it).
     """
 
     method: str = "allreduce"

@@ -9,9 +9,10 @@ from __future__ import annotations
 METHOD_CHOICES: tuple[str, ...] = ("allreduce", "torus", "naive_ag", "hitopk")
 SPARSE_METHODS: tuple[str, ...] = ("naive_ag", "hitopk")  # top-k + error feedback
 
-# When a bucket's communication runs: inside DDP's hook (none), on a communication thread (async), or
-# priority-scheduled pieces whose updates overlap the next forward, without DDP (cross).
-OVERLAP_CHOICES: tuple[str, ...] = ("none", "async", "cross")
+# When a bucket's communication runs: inside DDP's hook (none), on a communication thread (async),
+# priority-scheduled pieces whose updates overlap the next forward, without DDP (cross), or the faster of
+# none and async measured on the first steps (auto: trainer/comm/overlap_auto.py).
+OVERLAP_CHOICES: tuple[str, ...] = ("none", "async", "cross", "auto")
 
 # Top-k selectors (trainer/comm/selector_registry.py maps each name to its function).
 SELECTOR_CHOICES: tuple[str, ...] = ("auto", "mstopk", "exact", "dgc")

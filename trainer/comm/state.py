@@ -76,6 +76,8 @@ class HookState:
     grad_scale: Tensor | None = field(default=None, repr=False)
     flags: StepFlags = field(default_factory=StepFlags, repr=False)
     fresh: bool = field(default=True, repr=False)  # no step finished since register()
+    # overlap="auto": the DDP mode in force ("none" or "async"), set between steps by the OverlapTuner
+    overlap_mode: str | None = None
     _comm: CommThread | None = field(default=None, repr=False)
     _param_names: dict[int, str] = field(default_factory=dict, repr=False)
     _warned_names: bool = field(default=False, repr=False)
@@ -85,9 +87,17 @@ class HookState:
             raise ValueError(f"HookState.config must be a CommConfig, got {type(self.config).__name__}")
 
     # ---- communication thread (overlap="async") --------------------------------------
+    @property
+    def overlap(self) -> str:
+        """The overlap mode in force: the config's, or for ``"auto"`` the one
+        :class:`~trainer.comm.overlap_auto.OverlapTuner` set (``"none"`` until it does)."""
+        if self.config.overlap == "auto":
+            return self.overlap_mode or "none"
+        return self.config.overlap
+
     def comm_thread(self) -> CommThread | None:
-        """The communication thread of ``overlap="async"`` (made on first use), else None."""
-        if self.config.overlap != "async":
+        """The communication thread while the mode in force is ``"async"`` (made on first use), else None."""
+        if self.overlap != "async":
             return None
         if self._comm is None:
             self._comm = CommThread()
