@@ -30,14 +30,14 @@ def _model() -> nn.Module:
                          nn.ReLU(), nn.Linear(48, 10))
 
 
-def _batches(rank: int, nan_at: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(rank: int, nan_at: int | None, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + rank)
     out = []
     for step in range(STEPS):
         x = torch.randn(8, 16, generator=g)
         if step == nan_at and rank == 1:
             x[0, 0] = float("nan")  # one rank's gradient goes non-finite: every rank skips the step
-        out.append((x, torch.randint(0, 10, (8,), generator=g)))
+        out.append((x.to(device), torch.randint(0, 10, (8,), generator=g).to(device)))
     return out
 
 
@@ -49,13 +49,15 @@ def _config(method: str) -> CommConfig:
     return CommConfig(method=method, selector="exact", density=0.1, nan_check=True, min_numel_for_sparse=1)
 
 
-def _sync_reference(method: str, nan_at: int | None, rank: int) -> tuple[dict, list[list[str]], int]:
+def _sync_reference(method: str, nan_at: int | None, rank: int,
+                    device: str = "cpu") -> tuple[dict, list[list[str]], int]:
     from trainer.comm import maybe_step, register
     from trainer.comm.hooks import make_hook
 
-    model = _model()
+    model = _model().to(device)
     names = {id(p): n for n, p in model.named_parameters()}
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    ids = [torch.device(device).index or 0] if device != "cpu" else None
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01, device_ids=ids)
     layout: list[list[str]] = []
     cfg = _config(method)
     hook = make_hook(cfg)
@@ -68,7 +70,7 @@ def _sync_reference(method: str, nan_at: int | None, rank: int) -> tuple[dict, l
     recording.__annotations__ = hook.__annotations__
     state = register(ddp, cfg, recording)
     opt = _opt(list(model.parameters()))
-    for x, y in _batches(rank, nan_at):
+    for x, y in _batches(rank, nan_at, device):
         layout.clear()
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(ddp(x), y).backward()
@@ -76,23 +78,23 @@ def _sync_reference(method: str, nan_at: int | None, rank: int) -> tuple[dict, l
     return {n: p.detach().clone() for n, p in model.named_parameters()}, layout, state.skipped_steps
 
 
-def _both(rank: int, world: int, method: str, nan_at: int | None) -> dict:
-    ref, layout, ref_skipped = _sync_reference(method, nan_at, rank)
-    model = _model()
+def _both(rank: int, world: int, method: str, nan_at: int | None, device: str = "cpu") -> dict:
+    ref, layout, ref_skipped = _sync_reference(method, nan_at, rank, device)
+    model = _model().to(device)
     by_name = dict(model.named_parameters())
     state = HookState(_config(method))
     engine = CrossBarrier(model, _opt, state, layout=[[by_name[n] for n in piece] for piece in layout],
                           credit_mb=0.002)
     engine.trace = []
     applied = []
-    for x, y in _batches(rank, nan_at):
+    for x, y in _batches(rank, nan_at, device):
         applied.append(engine.backward(nn.functional.cross_entropy(engine(x), y)))
     engine.synchronize()
     engine.close()
     got = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"equal": {n: bool(torch.equal(ref[n], got[n])) for n in ref}, "pieces": len(layout),
             "skipped": (ref_skipped, state.skipped_steps), "applied": applied, "rounds": engine.rounds,
-            "moved": bool(any(not torch.equal(_model().state_dict()[n], got[n]) for n in got)),
+            "moved": bool(any(not torch.equal(_model().state_dict()[n].to(device), got[n]) for n in got)),
             "trace_steps": sorted({t["step"] for t in engine.trace})}
 
 
@@ -109,6 +111,16 @@ def test_a_nan_on_one_rank_skips_that_step_everywhere_like_the_synchronous_run()
     for r in run_distributed(_both, world_size=2, local_size=1, args=("hitopk", 2)):
         assert all(r["equal"].values()), r["equal"]
         assert r["applied"] == [True, True, False, True, True] and r["skipped"] == (1, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("method", METHODS)
+def test_cross_on_a_cuda_side_stream_equals_the_synchronous_run(method: str) -> None:  # pragma: no cover
+    """One NCCL rank: the side stream, its events and the forward's device-side waits give the synchronous
+    DDP run's parameters bit for bit (per-piece optimizers do the same per-element arithmetic)."""
+    (r,) = run_distributed(_both, world_size=1, local_size=1, backend="nccl", args=(method, None, "cuda"))
+    assert all(r["equal"].values()), r["equal"]
+    assert r["moved"] and r["applied"] == [True] * STEPS and r["pieces"] > 2
 
 
 def test_default_layout_groups_backward_order_by_size() -> None:
@@ -212,3 +224,140 @@ def test_trainer_config_refuses_what_cross_cannot_do() -> None:
         from trainer.comm import CommConfig, register
 
         register(nn.Linear(2, 2), CommConfig(overlap="cross"))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ CUDA: the stream edges, in order
+class _Token:
+    def __init__(self, kind: str, n: int) -> None:
+        self.kind, self.n = kind, n
+
+
+class RecordingEdges:
+    """:class:`~trainer.comm.cross_barrier.StreamEdges` as the CUDA path calls it, recorded in order (the
+    events are tokens; "side" says whether the calling thread is inside ``on_side``)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.log: list[tuple[str, object, str]] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._n = 0
+
+    def inside(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    def _add(self, what: str, token: object) -> None:
+        import threading
+
+        with self._lock:
+            self.log.append((what, token, threading.current_thread().name))
+
+    def _token(self, kind: str) -> _Token:
+        with self._lock:
+            self._n += 1
+            return _Token(kind, self._n)
+
+    def produced(self, flat: torch.Tensor) -> _Token:
+        tok = self._token("ready")
+        self._add("produced", tok)
+        return tok
+
+    def on_side(self, ready: object):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():  # type: ignore[no-untyped-def]
+            self._add("side_wait", ready)
+            self._local.depth = getattr(self._local, "depth", 0) + 1
+            try:
+                yield
+            finally:
+                self._local.depth -= 1
+
+        return block()
+
+    def applied(self) -> _Token:
+        assert self.inside(), "applied() outside on_side"
+        tok = self._token("applied")
+        self._add("applied", tok)
+        return tok
+
+    def before_forward(self, applied: object) -> None:
+        self._add("before_forward", applied)
+
+    def drain(self) -> None:
+        self._add("drain", None)
+
+
+def _edges_rank(rank: int, world: int) -> dict:
+    import trainer.comm.cross_barrier as cb
+
+    edges = RecordingEdges()
+    outside: list[str] = []
+    real_reduce = cb._reduce
+
+    recording = [False]  # the plain run has no side stream to be inside of
+
+    def reduce_checked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if recording[0] and not edges.inside():
+            outside.append("reduce")
+        return real_reduce(*args, **kwargs)
+
+    def opt(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        o = _opt(params)
+        step = o.step
+
+        def checked_step(*a, **k):  # type: ignore[no-untyped-def]
+            if recording[0] and not edges.inside():
+                outside.append("step")
+            return step(*a, **k)
+
+        o.step = checked_step  # type: ignore[method-assign]
+        return o
+
+    cb._reduce = reduce_checked
+    try:
+        outs = {}
+        for name, kw in (("plain", {}), ("recorded", {"_edges": edges})):
+            recording[0] = bool(kw)
+            model = _model()
+            engine = CrossBarrier(model, opt, HookState(_config("hitopk")), piece_mb=0.005, credit_mb=0.01,
+                                  **kw)
+            for x, y in _batches(rank, None):
+                engine.backward(nn.functional.cross_entropy(engine(x), y))
+            engine.synchronize()
+            engine.close()
+            outs[name] = [p.detach().clone() for p in model.parameters()]
+    finally:
+        cb._reduce = real_reduce
+    log = [(what, tok.kind if isinstance(tok, _Token) else None, id(tok) if tok is not None else None, thread)
+           for what, tok, thread in edges.log]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["recorded"])),
+            "outside": outside, "log": log, "pieces": len(default_layout(_model(), 0.005))}
+
+
+def test_cuda_stream_edges_come_in_order_on_the_right_threads() -> None:
+    """The order the CUDA path relies on (trainer/comm/cross_barrier.py, STREAM EDGE 1 and 2), recorded
+    on 2 gloo ranks: each piece's ready event is recorded in backward and waited for by the side stream
+    before its reduction; reductions and optimizer steps run inside the side stream; each update records
+    an event that the next forward of its module waits for; ``synchronize`` drains the side stream.
+    The recording changes nothing: parameters equal the plain CPU run's bit for bit."""
+    for r in run_distributed(_edges_rank, world_size=2, local_size=1):
+        assert r["equal"] and r["outside"] == [], r["outside"]
+        log = r["log"]
+        produced = [i for i, e in enumerate(log) if e[0] == "produced"]
+        assert len(produced) == r["pieces"] * STEPS
+        for i in produced:  # waited for exactly once, later, on the communication thread
+            waits = [j for j, e in enumerate(log) if e[0] == "side_wait" and e[2] == log[i][2]]
+            assert len(waits) == 1 and waits[0] > i and log[waits[0]][3] == "datacache-cross"
+            assert log[i][3] != "datacache-cross"
+        applied = {e[2]: i for i, e in enumerate(log) if e[0] == "applied"}
+        assert len(applied) == r["pieces"] * STEPS
+        assert all(log[i][3] == "datacache-cross" for i in applied.values())
+        forwards = [(i, e) for i, e in enumerate(log) if e[0] == "before_forward"]
+        waited = [(i, e) for i, e in forwards if e[2] is not None]
+        assert len(forwards) > len(waited) > 0  # the first step has nothing to wait for
+        for i, e in waited:  # a forward waits only for updates already recorded
+            assert e[1] == "applied" and applied[e[2]] < i and e[3] != "datacache-cross"
+        assert log[-1][0] == "drain"

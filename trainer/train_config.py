@@ -132,11 +132,11 @@ class TrainConfig:
     bucket_cap_mb: float = _f(25.0, "DDP bucket (fusion buffer) size in MB", "comm")
     overlap: str = _f("none", "when each bucket communicates: none (inside DDP's hook; backward waits, "
                       "except the plain dense all-reduce), async (on a communication thread / CUDA "
-                      "side stream while backward goes on; same results bit for bit) or cross (no DDP: "
+                      "side stream while backward goes on; same results bit for bit), cross (no DDP: "
                       "pieces of --bucket-cap-mb started front layers first under --comm-credit-mb per "
-                      "round, each applied as it arrives while the next forward runs; CPU/gloo; no "
-                      "--pto, --fp16-comm or fp16 AMP) or auto (none and async timed on the first 19 "
-                      "steps, the faster kept and logged)", "comm", OVERLAP_CHOICES)
+                      "round, each applied as it arrives while the next forward runs; CUDA on a side "
+                      "stream; no --pto, --fp16-comm or fp16 AMP) or auto (none and async timed on the "
+                      "first 19 steps, the faster kept and logged)", "comm", OVERLAP_CHOICES)
     comm_credit_mb: float = _f(8.0, "--overlap cross: MB of pieces one negotiation round may start "
                                "(ByteScheduler's credit: smaller lets front layers overtake sooner, at one "
                                "tiny all-reduce per round)", "comm")

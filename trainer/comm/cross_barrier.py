@@ -44,16 +44,29 @@ HAZARDS: the optimizer steps run on the communication thread while the main thre
 forward -- on disjoint parameters, which the pre-hooks guarantee; a parameter used outside its own
 module's ``forward`` (tied weights) would be read while it is updated: refused at build time if
 shared. Host syncs: the verdict read after backward (one per step, as ``maybe_step``); per piece,
-the thread reads that piece's reduced-sum flag (off the main thread). CPU / gloo only for now: on
-CUDA the thread would need the side stream and events of :mod:`trainer.comm.comm_thread` (refused).
+the thread reads that piece's reduced-sum flag (off the main thread).
+
+CUDA (:class:`StreamEdges`): the thread reduces and applies every piece on ONE side stream (NCCL
+collectives are issued on the calling thread's current stream). STREAM EDGE 1: the autograd thread
+records an event on its stream once the piece's gradients are flattened, and the side stream waits
+for it before the reduction. STREAM EDGE 2: after the piece's optimizer step the side stream records
+an event, and the next forward's pre-hook makes the training stream wait for it (a device-side wait:
+the host waits only for the thread to have enqueued the update). ALLOCATOR: the flattened gradients
+are allocated on the training stream and freed on the thread, so they are ``record_stream``-ed to the
+side stream; reduced gradients and optimizer state live on the side stream only. :meth:`CrossBarrier.
+synchronize` makes the training stream wait for the side stream, so checkpoints and evaluation read
+applied parameters. The ready-mask rounds and the verdict run on gloo groups of their own with CPU
+tensors (the verdict is the step's one host read). Unproven on a GPU so far: the edge ORDER is tested
+on the CPU with a recording stand-in (``tests/test_cross_barrier.py``), the real run waits for a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +85,54 @@ class CrossBarrierError(RuntimeError):
     """A step that cannot be applied piece by piece, or the communication thread failed."""
 
 
+class StreamEdges:
+    """The side stream and the events between it and the training stream (module docstring, CUDA);
+    on a CPU device every method is a no-op. One per :class:`CrossBarrier`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.side = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def produced(self, flat: Tensor) -> Any:
+        """Autograd thread, after ``flat`` (and the piece's local sum) was computed: STREAM EDGE 1."""
+        if not self.cuda:
+            return None
+        flat.record_stream(self.side)  # ALLOCATOR: freed on the thread after the side stream used it
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @contextlib.contextmanager
+    def on_side(self, ready: Any) -> Iterator[None]:
+        """Communication thread: run the block on the side stream after ``ready`` (None: no wait)."""
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.side):
+            if ready is not None:
+                self.side.wait_event(ready)  # STREAM EDGE 1 (consumer side)
+            yield
+
+    def applied(self) -> Any:
+        """Communication thread, inside :meth:`on_side` after the optimizer step: STREAM EDGE 2."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.side)
+        return event
+
+    def before_forward(self, applied: Any) -> None:
+        """Main thread, forward pre-hook: the training stream waits for the piece's update on the device."""
+        if self.cuda and applied is not None:
+            torch.cuda.current_stream(self.device).wait_event(applied)  # STREAM EDGE 2 (consumer side)
+
+    def drain(self) -> None:
+        """Main thread: later work on the training stream sees every update enqueued so far."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+
 @dataclass(eq=False)  # identity: a piece is hashed and compared as itself
 class _Piece:
     index: int  # position in backward's order (0 = produced first = the model's last layers)
@@ -87,6 +148,8 @@ class _Piece:
     step: int = -1  # the step whose gradients are queued
     reduced: Tensor | None = None  # the reduced gradient, until applied
     reduced_bad: bool = False
+    ready_event: Any = None  # CUDA: the flattened gradients are written (StreamEdges.produced)
+    applied_event: Any = None  # CUDA: the last update is done on the side stream (StreamEdges.applied)
     times: dict[str, float] = field(default_factory=dict)
 
     def parameters(self) -> list[nn.Parameter]:  # what HookState.key_for reads from a GradBucket
@@ -147,20 +210,23 @@ class CrossBarrier:
     def __init__(self, model: nn.Module,
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], state: HookState,
                  *, piece_mb: float = 4.0, credit_mb: float = 8.0,
-                 layout: Sequence[Sequence[nn.Parameter]] | None = None, timeout: float = 600.0) -> None:
+                 layout: Sequence[Sequence[nn.Parameter]] | None = None, timeout: float = 600.0,
+                 _edges: StreamEdges | None = None) -> None:  # _edges: tests record the stream edges
         cfg = state.config
         if cfg.fp16:
             raise CrossBarrierError("--overlap cross: an fp16 wire can overflow in the sum where every local "
                                     "gradient was finite, after earlier pieces were applied; use --overlap "
                                     "async with --fp16-comm, or an fp32 wire")
         params = [p for p in model.parameters() if p.requires_grad]
-        if any(p.device.type != "cpu" for p in params):
-            raise CrossBarrierError("--overlap cross runs on CPU / gloo for now (CUDA needs the side stream "
-                                    "of --overlap async); use --overlap async on GPUs")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise CrossBarrierError(f"--overlap cross: the parameters must live on one device, got "
+                                    f"{sorted(map(str, devices)) or 'none'}")
         if credit_mb <= 0 or piece_mb <= 0:
             raise CrossBarrierError(f"--overlap cross: credit and piece sizes must be > 0 MB, got "
                                     f"{credit_mb} and {piece_mb}")
         self.model, self.state, self.timeout = model, state, timeout
+        self.edges = _edges if _edges is not None else StreamEdges(next(iter(devices)))
         self.credit_bytes = int(credit_mb * _MB)
         groups = [list(g) for g in (layout if layout is not None else default_layout(model, piece_mb))]
         flat_ids = [id(p) for g in groups for p in g]
@@ -244,6 +310,7 @@ class CrossBarrier:
         for pc in pieces:
             if not pc.released.is_set():
                 self._wait(pc.released.is_set, f"piece {pc.index}'s update")
+            self.edges.before_forward(pc.applied_event)  # CUDA: on the device too (STREAM EDGE 2)
 
     def _grad_ready(self, p: Tensor) -> None:
         # Autograd thread (CPU: the thread calling backward). Flatten the piece once complete.
@@ -259,6 +326,7 @@ class CrossBarrier:
         # One reduction, no bool mask the size of the piece (isfinite(flat).all() showed in profiles), and
         # no host read here: a NaN/inf anywhere makes the sum non-finite; backward() reads them all once.
         pc.local_sum = flat.sum() if self.state.config.nan_check else None
+        pc.ready_event = self.edges.produced(flat)  # CUDA: STREAM EDGE 1 (after flat and its sum)
         pc.released.clear()
         with self._cv:
             self._queued.append(pc)
@@ -285,8 +353,8 @@ class CrossBarrier:
         bad = torch.zeros(1)
         if self.state.config.nan_check:
             sums = torch.stack([pc.local_sum for pc in self.pieces if pc.local_sum is not None])
-            bad[0] = (~torch.isfinite(sums)).any()
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._verdict_group)
+            bad[0] = (~torch.isfinite(sums)).any().to("cpu")  # CUDA: HOST SYNC, the step's one read
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._verdict_group)  # gloo, CPU tensor
         skipped = bool(bad.item() > 0)  # HOST read: the step's one verdict
         with self._cv:
             self._verdicts[step] = skipped
@@ -297,6 +365,7 @@ class CrossBarrier:
     def synchronize(self) -> None:
         """Wait until every queued piece is reduced and applied (evaluation, checkpoints, the end)."""
         self._wait(lambda: not self._left, "the last pieces")
+        self.edges.drain()  # CUDA: the training stream waits for the side stream's updates
 
     def close(self) -> None:
         """Finish the queued work, stop the thread and remove the hooks (idempotent)."""
@@ -362,12 +431,15 @@ class CrossBarrier:
         assert pc.flat is not None
         started = time.perf_counter()
         plan = _plan(state, pc, current_method(state), pc.numel)
-        out = _reduce(state, plan, pc.flat, blocking=True)
-        assert isinstance(out, Tensor)
-        flag = state.flags.combined()
-        state.flags.clear()
+        with self.edges.on_side(pc.ready_event):  # CUDA: the side stream, after STREAM EDGE 1
+            out = _reduce(state, plan, pc.flat, blocking=True)
+            assert isinstance(out, Tensor)
+            flag = state.flags.combined()
+            state.flags.clear()
+            # host read on this thread (one per piece; CUDA: waits for the side stream's reduction)
+            pc.reduced_bad = flag is not None and bool(flag)
         pc.reduced = out
-        pc.reduced_bad = flag is not None and bool(flag)  # host read on this thread (one per piece)
+        pc.ready_event = None
         pc.flat = None
         pc.times.update(round=round_start, start=started, comm_end=time.perf_counter())
         self._parked.append(pc)
@@ -389,13 +461,15 @@ class CrossBarrier:
                 if lr is not None:
                     for g in pc.optimizer.param_groups:
                         g["lr"] = lr
-                off = 0
-                for p in pc.params:
-                    p.grad = out[off:off + p.numel()].view_as(p)
-                    off += p.numel()
-                _step_piece(pc.optimizer)
-                for p in pc.params:
-                    p.grad = None
+                with self.edges.on_side(None):  # CUDA: after the reduction on the same side stream
+                    off = 0
+                    for p in pc.params:
+                        p.grad = out[off:off + p.numel()].view_as(p)
+                        off += p.numel()
+                    _step_piece(pc.optimizer)
+                    for p in pc.params:
+                        p.grad = None
+                    pc.applied_event = self.edges.applied()  # STREAM EDGE 2 (producer side)
             pc.reduced = None
             if self.trace is not None:
                 self.trace.append({"piece": pc.index, "priority": pc.priority, "numel": pc.numel,
