@@ -204,3 +204,89 @@ def test_cli_measured_file_and_explicit_links(tmp_path: Path, capsys: pytest.Cap
     bad.write_text("{}")
     with pytest.raises(SystemExit, match="model_params"):
         main(["--measured", str(bad)])
+
+
+# ------------------------------------------------------- overlap: the reference is an event simulation
+def _simulate_none_async(fwd: float, bwd: float, comm: float, n: int) -> tuple[float, float]:
+    """One step, event by event: backward produces piece i at fwd + bwd * i / n; one server, first in first
+    out. Synchronous: backward stops while each piece communicates. Asynchronous: it does not."""
+    c = comm / n
+    t = fwd
+    for _ in range(n):  # synchronous hook
+        t += bwd / n + c
+    free = 0.0
+    for i in range(1, n + 1):  # communication thread
+        free = max(free, fwd + bwd * i / n) + c
+    return t, free
+
+
+def _simulate_cross(fwd: float, bwd: float, comm: float, n: int, iters: int = 80) -> float:
+    """Steady-state step of --overlap cross: layer l's forward (fwd / n) waits for piece l's update of the
+    previous step; backward (bwd / n per layer, last layer first) produces piece l; one server, not
+    preempted, starts the ready piece of the oldest step and front-most layer; the update is immediate."""
+    c, f, b = comm / n, fwd / n, bwd / n
+    update = [0.0] * (n + 1)
+    pending: list[tuple[int, int, float]] = []  # (step, layer, ready time)
+    free, t, ends = 0.0, 0.0, []
+    for k in range(iters):
+        for layer in range(1, n + 1):
+            while update[layer] < 0:  # serve until this layer's update of the previous step is done
+                ready = [p for p in pending if p[2] <= free]
+                if not ready:  # idle until backward produces the next piece
+                    free = min(p[2] for p in pending)
+                    continue
+                pick = min(ready, key=lambda p: (p[0], p[1]))
+                pending.remove(pick)
+                free += c
+                update[pick[1]] = free
+            t = max(t, update[layer]) + f
+        for layer in range(n, 0, -1):
+            t += b
+            pending.append((k, layer, t))
+            update[layer] = -1.0
+        ends.append(t)
+    half = iters // 2
+    return (ends[-1] - ends[half]) / (iters - 1 - half)
+
+
+def test_overlapped_step_against_an_event_simulation() -> None:
+    import random
+
+    from trainer.comm.cost_model import overlapped_step
+
+    rng = random.Random(7)
+    for _ in range(400):
+        compute, comm, n = rng.uniform(0.01, 3.0), rng.uniform(0.0, 4.0), rng.randint(1, 12)
+        share = rng.uniform(0.3, 0.9)
+        got = overlapped_step(compute, comm, pieces=n, backward_share=share)
+        fwd, bwd = (1 - share) * compute, share * compute
+        none, asyn = _simulate_none_async(fwd, bwd, comm, n)
+        assert got["none"] == pytest.approx(none) and got["async"] == pytest.approx(asyn)
+        cross = _simulate_cross(fwd, bwd, comm, n)
+        assert got["bound"] - 1e-9 <= got["cross_bound"] <= cross + 1e-9 <= asyn + 2e-9
+        assert cross <= got["cross_bound"] + (fwd + bwd) / n + 2 * comm / n + 1e-9  # the waits it leaves out
+    for share in (0.3 / 1.3, 1 / 1.3):  # docs/cost_model.md: 1.3x needs comm between 23 % and 77 % of none
+        edge = overlapped_step(1 - share, share)
+        assert edge["none"] / edge["bound"] == pytest.approx(1.3)
+    dense = overlapped_step(0.2, 0.1, pieces=4, dense_hook=True)
+    assert dense["none"] == dense["async"]  # DDP's own all-reduce already overlaps
+    one = overlapped_step(0.3, 0.3, pieces=1)
+    assert one["async"] == one["none"] == pytest.approx(0.6)  # one piece: nothing to overlap with
+    with pytest.raises(ValueError, match="pieces must be an integer >= 1"):
+        overlapped_step(1.0, 1.0, pieces=0)
+    with pytest.raises(ValueError, match="backward_share must be in"):
+        overlapped_step(1.0, 1.0, backward_share=1.5)
+
+
+def test_cli_compute_ms_adds_the_step_per_overlap_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer.comm.cost_model import main, overlapped_step
+
+    assert main(["--compute-ms", "200", "--d", "25557032", "--rho", "0.01", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    for r in rows:
+        want = overlapped_step(0.2, r["total"], pieces=8, dense_hook=r["method"] == "allreduce")
+        assert {k: r[f"step_{k}"] for k in want} == pytest.approx(want)
+    assert main(["--compute-ms", "200", "--d", "25557032", "--rho", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "step ms with 200 ms of compute, 8 pieces (ideal overlap, no contention)" in out
+    assert "cross>=" in out

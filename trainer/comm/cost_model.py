@@ -226,6 +226,37 @@ def recommend(d: int, rho: float, m: int, n: int, intra: Link, inter: Link,
     return str(rows[0]["method"]), rows
 
 
+# ---------------------------------------------------------------- overlap with compute
+def overlapped_step(compute_s: float, comm_s: float, *, pieces: int = 1, backward_share: float = 2 / 3,
+                    dense_hook: bool = False) -> dict[str, float]:
+    """Ideal seconds per training step for each ``--overlap`` mode (no contention for cores or links).
+
+    ``compute_s``: forward + backward without communication, ``backward_share`` of it backward;
+    ``comm_s``: the method's seconds per step (:func:`predict`'s ``total``), in ``pieces`` equal parts
+    that backward produces at even intervals (last layers first) and one communication server handles
+    one at a time. ``none``: backward waits for each piece (``compute + comm``), except DDP's own
+    asynchronous dense all-reduce (``dense_hook=True``: as ``async``). ``async``: first in, first out
+    while backward goes on, the optimizer after the last piece: ``F + max(B + c, B / n + comm)`` with
+    ``c = comm / n`` (the latest of "the last piece starts when backward ends" and "the first piece
+    starts early and the server never idles"). ``cross_bound``: a lower bound of ``--overlap cross``'s
+    steady state, ``max(compute + c, comm)`` (the front piece, produced last, is communicated before the
+    next forward can start; the server cannot do more than its work); the forward's waits for the back
+    pieces add at most ``(F + B + 2 comm) / n`` to it. ``bound``: ``max(compute, comm)``.
+    The event simulation in ``tests/test_cost_model.py`` is the reference. The 2-core development VM
+    reaches 71-78 % of ``bound`` (bench/results/overlap.json): there backward and the communication
+    thread share cores, which this model leaves out; ``--overlap auto`` measures instead of guessing.
+    """
+    if pieces < 1 or int(pieces) != pieces:
+        raise ValueError(f"pieces must be an integer >= 1, got {pieces!r}")
+    if not 0.0 <= backward_share <= 1.0:
+        raise ValueError(f"backward_share must be in [0, 1], got {backward_share!r}")
+    _check_nonneg("overlapped_step", {"compute_s": compute_s, "comm_s": comm_s})
+    fwd, bwd, c = (1.0 - backward_share) * compute_s, backward_share * compute_s, comm_s / pieces
+    asyn = fwd + max(bwd + c, bwd / pieces + comm_s)
+    return {"none": asyn if dense_hook else compute_s + comm_s, "async": asyn,
+            "cross_bound": max(compute_s + c, comm_s), "bound": max(compute_s, comm_s)}
+
+
 # ---------------------------------------------------------------- fitting
 def _fit_nonneg_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     """Least squares ``y = a + b x`` with ``a, b >= 0`` (2-parameter NNLS by checking the faces)."""
@@ -318,6 +349,16 @@ def format_table(rows: Sequence[dict[str, object]], title: str) -> str:
     return "\n".join(lines)
 
 
+def format_steps(rows: Sequence[dict[str, object]], title: str) -> str:
+    """The ``--compute-ms`` table: each row's step per overlap mode and the best mode's gain over none."""
+    lines = [title, f"{'d':>12} {'rho':>7} {'method':>9} {'none':>9} {'async':>9} {'cross>=':>9} {'gain':>6}"]
+    for r in rows:
+        ms = {k: 1e3 * float(r[f"step_{k}"]) for k in ("none", "async", "cross_bound")}  # type: ignore[arg-type]
+        lines.append(f"{r['d']:>12,} {100 * float(r['rho']):>6.2f}% {r['method']:>9} {ms['none']:>9.2f} "
+                     f"{ms['async']:>9.2f} {ms['cross_bound']:>9.2f} {ms['none'] / ms['cross_bound']:>5.2f}x")
+    return "\n".join(lines)
+
+
 def _link_from_json(doc: dict[str, object]) -> Link:
     if "alpha_s" in doc:
         return LinkParams(**doc)  # type: ignore[arg-type]
@@ -359,7 +400,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--final-gather", choices=FINAL_GATHER_FORMS, default="dense")
     ap.add_argument("--no-compute", action="store_true", help="drop the compute terms (pure alpha-beta)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    ap.add_argument("--compute-ms", type=float,
+                    help="forward + backward ms per step without communication: adds each method's step time "
+                         "per --overlap mode (ideal, no contention; see overlapped_step)")
+    ap.add_argument("--pieces", type=int, default=8,
+                    help="buckets/pieces per step for --compute-ms (default 8)")
     a = ap.parse_args(argv)
+    if a.compute_ms is not None and (a.compute_ms < 0 or a.pieces < 1):
+        ap.error(f"--compute-ms must be >= 0 and --pieces >= 1, got {a.compute_ms} and {a.pieces}")
 
     if a.measured:
         m, n, intra, inters, compute = load_measured(a.measured)
@@ -382,10 +430,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_rows = []
     for label, inter in inters.items():
         rows = table_rows(a.d, a.rho, m, n, intra, inter, compute_used, **kwargs)
+        if a.compute_ms is not None:
+            for r in rows:
+                steps = overlapped_step(a.compute_ms / 1e3, float(r["total"]), pieces=a.pieces,  # type: ignore[arg-type]
+                                        dense_hook=r["method"] == "allreduce")
+                r.update({f"step_{k}": v for k, v in steps.items()})
         all_rows.extend({"inter": label, **r} for r in rows)
         if not a.json:
             print(format_table(rows, f"{source}: m={m} nodes x n={n} ranks, inter {label} {inter}, "
                                      f"intra {intra}, compute {compute_used}") + "\n")
+            if a.compute_ms is not None:
+                print(format_steps(rows, f"step ms with {a.compute_ms:g} ms of compute, {a.pieces} pieces "
+                                         "(ideal overlap, no contention)") + "\n")
     if a.json:
         print(json.dumps(all_rows, indent=1))
     return 0
