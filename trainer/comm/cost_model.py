@@ -242,9 +242,9 @@ def overlapped_step(compute_s: float, comm_s: float, *, pieces: int = 1, backwar
     steady state, ``max(compute + c, comm)`` (the front piece, produced last, is communicated before the
     next forward can start; the server cannot do more than its work); the forward's waits for the back
     pieces add at most ``(F + B + 2 comm) / n`` to it. ``bound``: ``max(compute, comm)``.
-    The event simulation in ``tests/test_cost_model.py`` is the reference. The 2-core development VM
-    reaches 71-78 % of ``bound`` (bench/results/overlap.json): there backward and the communication
-    thread share cores, which this model leaves out; ``--overlap auto`` measures instead of guessing.
+    The event simulation in ``tests/test_cost_model.py`` is the reference. A machine where backward and
+    the communication thread share cores stays well above ``bound`` (bench/results/overlap.json): this
+    model leaves that contention out, and ``--overlap auto`` measures instead of guessing.
     """
     if pieces < 1 or int(pieces) != pieces:
         raise ValueError(f"pieces must be an integer >= 1, got {pieces!r}")

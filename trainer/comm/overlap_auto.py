@@ -4,8 +4,8 @@ steps and keep the faster one for the rest of the run.
 Both DDP modes give the same parameters bit for bit (``tests/test_comm_overlap.py``), so the choice
 changes only the time a step takes, never what the model learns, and a resumed run may choose again on
 its new machines. It is measured rather than predicted because what decides it is the CPU backward and
-the communication thread share, which no α-β term knows: on the 2-core emulated cluster the thread made
-2D-Torus 1.13x faster and the plain dense all-reduce (which DDP already overlaps) 0.99x
+the communication thread share, which no α-β term knows: on the 2-core emulated cluster the thread
+paid for some methods and not for others, the plain dense all-reduce (which DDP already overlaps) least
 (``bench/results/overlap.json``). ``--overlap cross`` replaces DDP itself and is chosen by name only.
 
 Schedule, in step counts (the same on every rank): ``warmup`` steps synchronous (DDP's first-iteration
