@@ -160,6 +160,11 @@ def test_readme_accuracy_section_is_the_json() -> None:
     assert re.search(r"ResNet18.*\| 11\.2M \|", body)
 
 
+def _row(top1: float) -> dict:
+    """A measured row as ratios_of reads it (top-1 and a rate)."""
+    return {"top1": top1, "samples_per_s_median": 1.0}
+
+
 def test_warmup_rows_cover_every_sparse_method_and_their_worst() -> None:
     """``--rows warmup``: 2 dense epochs then each sparse method at 0.1 %; the worst of the four is
     reported only once every one is measured."""
@@ -172,14 +177,11 @@ def test_warmup_rows_cover_every_sparse_method_and_their_worst() -> None:
         assert launcher == "trainer" and args[args.index("--comm") + 1] == f"0:allreduce,2:{method[1]}"
         assert args[args.index("--selector") + 1] == method[3] and "0.001" in args
 
-    def row(top1: float) -> dict:
-        return {"top1": top1, "samples_per_s_median": 1.0}
-
-    some = {"dense_s0": row(0.9), "topk_0.1pct_warm2_s0": row(0.895), "dgc_0.1pct_warm2_s0": row(0.893)}
+    some = {"dense_s0": _row(0.9), "topk_0.1pct_warm2_s0": _row(0.895), "dgc_0.1pct_warm2_s0": _row(0.893)}
     ratios, _, _ = ratios_of(some)
     assert round(ratios["topk_0.1pct_warm2_minus_dense_pp"], 6) == -0.5
     assert "sparse_worst_warm2_minus_dense_pp_0.1pct" not in ratios
-    every = {**some, "mstopk_0.1pct_warm2_s0": row(0.899), "hitopk_0.1pct_warm2_s0": row(0.901)}
+    every = {**some, "mstopk_0.1pct_warm2_s0": _row(0.899), "hitopk_0.1pct_warm2_s0": _row(0.901)}
     ratios, _, _ = ratios_of(every)
     assert round(ratios["sparse_worst_warm2_minus_dense_pp_0.1pct"], 6) == -0.7
 
@@ -197,14 +199,11 @@ def test_seed1_rows_repeat_the_1pct_pair_and_the_ratio_averages_the_seeds() -> N
         assert args[args.index("--seed") + 1] == "1" and args[args.index("--density") + 1] == "0.01"
         assert "--error-feedback" in args
 
-    def row(top1: float) -> dict:
-        return {"top1": top1, "samples_per_s_median": 1.0}
-
-    one = {"dense_s0": row(0.92), "topk_1pct_s0": row(0.915), "mstopk_1pct_s0": row(0.914)}
+    one = {"dense_s0": _row(0.92), "topk_1pct_s0": _row(0.915), "mstopk_1pct_s0": _row(0.914)}
     ratios, extra, _ = ratios_of(one)
     assert round(ratios["mstopk_minus_topk_pp_1pct"], 6) == -0.1
     assert "mstopk_minus_topk_per_seed_pp_1pct" not in extra
-    both = {**one, "topk_1pct_s1": row(0.910), "mstopk_1pct_s1": row(0.913)}
+    both = {**one, "topk_1pct_s1": _row(0.910), "mstopk_1pct_s1": _row(0.913)}
     ratios, extra, _ = ratios_of(both)
     assert round(ratios["mstopk_minus_topk_pp_1pct"], 6) == 0.1  # mean of -0.1 and +0.3
     assert {k: round(v, 6) for k, v in extra["mstopk_minus_topk_per_seed_pp_1pct"].items()} == \
