@@ -17,8 +17,8 @@ that the budget ends while it runs ``stopped: budget``; neither counts as a fail
 * ``topk`` -- ``python -m bench.topk`` full (d = 1M, 8M, 25M, 7 reps; ``--quick`` stops at 1M and
   the GPU target is at 25M): writes ``topk_gpu.json``/``topk_gpu.png``.
 * ``train-gpu`` -- the prefetcher benchmark, :func:`bench.train_gpu.gpu_part` (ResNet-50 at 128 px,
-  fp16, batch 256, with and without the prefetcher) on the 2,000-image dataset of ``bench.train``,
-  started alone in a fresh process: writes ``train_gpu.json``.
+  fp16, batch 256, without the prefetcher and with it staging inline and on a thread) on the
+  2,000-image dataset of ``bench.train``, started alone in a fresh process: writes ``train_gpu.json``.
 * ``kernels`` -- ``python -m bench.gpu_kernels``: CUDA kernels per call of the foreach forms the
   optimizers use, LARS/LAMB steps and device augmentation: writes ``gpu_kernels_gpu.json``/``.png``.
 * ``train-quick`` -- ``python -m bench.train --quick``: the documented path (CPU part, then the GPU
@@ -159,8 +159,8 @@ def build_checks() -> list[Check]:
                    "the CPU part's topk.json/png are restored"),
         Check("train-gpu", "bench", (py, "-m", "bench.gpu", "--run-train-gpu"), timeout_s=300, expect_s=120,
               writes=("train_gpu.json",),
-              note="bench.train_gpu.gpu_part alone (prefetcher vs none, ResNet-50 128 px fp16, batch 256, "
-                   "2,000 images); no --quick exists or is needed"),
+              note="bench.train_gpu.gpu_part alone (prefetcher inline and thread vs none, ResNet-50 128 px "
+                   "fp16, batch 256, 2,000 images); no --quick exists or is needed"),
         Check("kernels", "bench", (py, "-m", "bench.gpu_kernels"), timeout_s=120, expect_s=30,
               writes=("gpu_kernels_gpu.json", "gpu_kernels_gpu.png"),
               note="CUDA kernels per call (profiler): foreach forms with 0-d lists, LARS/LAMB steps, "

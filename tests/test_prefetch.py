@@ -58,12 +58,15 @@ def test_data_wait_is_the_time_blocked_on_the_loader() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream path needs a CUDA device")
-def test_cuda_stream_prefetch_matches_cpu(small_imagefolder: str, tmp_path) -> None:  # pragma: no cover - GPU
+@pytest.mark.parametrize("staging", ["inline", "thread"])
+def test_cuda_stream_prefetch_matches_cpu(small_imagefolder: str, tmp_path,
+                                          staging: str) -> None:  # pragma: no cover - GPU
     loader = _loader(small_imagefolder, "lmdb://" + str(tmp_path / "c"), pin=True)
     aug = DeviceAugment(method="matmul")
     ref = [aug(b, 24) for b in _loader(small_imagefolder, "lmdb://" + str(tmp_path / "c"))]
-    pre = Prefetcher(loader, "cuda", aug, 24)
+    pre = Prefetcher(loader, "cuda", aug, 24, staging=staging)
     assert pre.use_streams
+    assert len(list(zip(ref, pre))) == len(ref) == 4  # every batch, in a first pass
     for (x_ref, y_ref), (x, y) in zip(ref, pre):
         x = x * 2  # compute on the default stream right away: it must see the finished batch
         assert x.device.type == "cuda"

@@ -41,6 +41,7 @@ class StepContext:
     device: torch.device
     lr_schedule: LRSchedule
     tuner: OverlapTuner | None = None  # --overlap auto: times none vs async on the first steps
+    prefetch: str = "inline"  # --prefetch: where the next batch is staged (trainer/prefetch.py)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
     """
     ctx.ddp.train()
     ctx.state.set_epoch(epoch)
-    pre = Prefetcher(loader, ctx.device, ctx.augment, resolution)
+    pre = Prefetcher(loader, ctx.device, ctx.augment, resolution, staging=ctx.prefetch)
     stats = EpochStats(epoch)
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     skipped_before = ctx.state.skipped_steps
@@ -159,12 +160,12 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
 
 @torch.no_grad()
 def validate(model: nn.Module, loader: Iterable[Any], augment: DeviceAugment, device: torch.device,
-             resolution: int, amp: Amp) -> dict[str, float]:
+             resolution: int, amp: Amp, prefetch: str = "inline") -> dict[str, float]:
     """Top-1 / top-5 accuracy and mean loss over all ranks' shards (one all-reduce of the sums).
     ``model`` is the plain module (not DDP): ranks may see different numbers of batches."""
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # correct1, correct5, loss, n
-    for x, y in Prefetcher(loader, device, augment, resolution):
+    for x, y in Prefetcher(loader, device, augment, resolution, staging=prefetch):
         with amp.autocast():
             logits = model(x)
         logits = logits.float()

@@ -351,7 +351,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
                       DeviceAugment(*cfg.normalization, memory_format=fmt), device, cfg.lr_schedule,
                       # --overlap auto: measured again after a resume (same results either way; the
                       # machines may differ)
-                      OverlapTuner(state, device=device) if cfg.overlap == "auto" else None)
+                      OverlapTuner(state, device=device) if cfg.overlap == "auto" else None, cfg.prefetch)
     pad_crop = (cfg.resolution_schedule.at(0), cfg.pad) if cfg.augment == "padcrop" else None
     loader = make_loader(data, sampler) if make_loader is not None else train_loader(
         data.train, sampler, workers=cfg.workers, seed=cfg.seed, crop_scale=cfg.crop_scale, flip=cfg.flip,
@@ -435,7 +435,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
                                               batch_size=max(1, gbs // world), workers=cfg.workers,
                                               crop_fraction=cfg.val_crop_fraction,
                                               pin_memory=device.type == "cuda")
-            v = validate(model, val_loaders[res], ctx.augment, device, res, amp)
+            v = validate(model, val_loaders[res], ctx.augment, device, res, amp, cfg.prefetch)
             rec.update(val_top1=v["top1"], val_top5=v["top5"], val_loss=v["loss"], val_samples=v["samples"])
         _save(cfg, info, model, ctx, pruner, fingerprint, checkpoint.Position(epoch + 1, 0, gstep),
               _schedules(cfg, epoch, gbs, steps, stats.lr), sampler)

@@ -37,6 +37,7 @@ from datacache.config import ConfigError
 from trainer.comm.names import METHOD_CHOICES, OVERLAP_CHOICES, SELECTOR_CHOICES
 from trainer.models import MODEL_CHOICES
 from trainer.schedule import DECAY_CHOICES, LR_SCALING_CHOICES, EpochSchedule, LRSchedule, positive_int
+from trainer.staging import STAGING_CHOICES
 
 SAMPLER_CHOICES = ("global", "local")
 OPTIMIZER_CHOICES = ("sgd", "lars", "lamb")
@@ -80,6 +81,11 @@ class TrainConfig:
                               "records must carry its keyed MAC; empty: $DATACACHE_RECORD_KEY_FILE if set, "
                               "else none", "data")
     workers: int = _f(2, "DataLoader worker processes per rank (they only cut crop windows)", "data")
+    prefetch: str = _f("inline", "where the next batch is staged (taken from the loader, copied and "
+                       "augmented; on CUDA on a side stream): inline (on the training thread, before each "
+                       "step) or thread (a staging thread one batch ahead, so the training thread does not "
+                       "stage after the step's host sync); the same batches either way", "data",
+                       STAGING_CHOICES)
     sampler: str = _f("global", "sample order: global (DistributedSampler's shuffle) or local (each node "
                       "reads mostly the samples its own Redis Cluster master holds; exactly once per epoch)",
                       "data", SAMPLER_CHOICES)
