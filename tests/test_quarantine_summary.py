@@ -56,7 +56,9 @@ def _dataset_with_bad_files(factory, bad: int) -> str:
     root = factory(classes=2, per_class=3, size=(40, 30))
     for i in range(bad):
         with open(os.path.join(root, f"c00{i % 2}", f"bad{i:04d}.JPEG"), "wb") as f:
-            f.write(os.urandom(300 + i))  # not an image; a different size each (details differ)
+            # Text, not random bytes: 200 random files once gave one whose first bytes matched an
+            # image plugin's loose signature (a different reason). Still a different size each.
+            f.write((b"this is not an image file; " * 20)[: 300 + i])
     return root
 
 
