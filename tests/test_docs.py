@@ -204,6 +204,32 @@ def test_results_table_numbers_are_the_json_ratios() -> None:
         assert ratio in names, f"the README's results table lacks {ratio}"
 
 
+def test_overlap_table_numbers_are_the_json_ratios() -> None:
+    """Every cell of the README's --overlap table is overlap.json's ratio for its row's method and its
+    column's mode and link, rounded as shown (the column headings name them)."""
+    body = section(README.read_text(encoding="utf-8"), "Overlapping communication")
+    ratios = json.loads((ROOT / "bench/results/overlap.json").read_text(encoding="utf-8"))["ratios"]
+    lines = [ln for ln in body.splitlines() if ln.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    templates = {"`async`, 1 Gbit/s": "overlap_{m}_async_vs_sync",
+                 "`cross`, 1 Gbit/s": "overlap_{m}_cross_vs_sync",
+                 "`async`, 0.2 Gbit/s": "overlap_{m}_async_vs_sync_0.2gbit",
+                 "`async`, unshaped": "overlap_{m}_async_vs_sync_fast",
+                 "`async` / bound, 1 Gbit/s": "overlap_vs_bound_{m}"}
+    assert head[0] == "`--comm`" and head[1:] == list(templates), head
+    methods = []
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        method = cells[0].strip("`")
+        methods.append(method)
+        for col, cell in zip(head[1:], cells[1:]):
+            want = ratios[templates[col].format(m=method)]
+            assert float(cell.rstrip("x")) == pytest.approx(round(want, 2)), (method, col, cell, want)
+    from trainer.comm.names import METHOD_CHOICES
+
+    assert methods == list(METHOD_CHOICES)
+
+
 def test_migration_section_is_present() -> None:
     assert re.search(r"^## Migrating from ImageFolder$", README.read_text(encoding="utf-8"), re.M)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from trainer.build import (
 )
 from trainer.comm.auto_topk import auto_resolves_to
 from trainer.comm.cross_barrier import CrossBarrier
+from trainer.comm.overlap_auto import MARGIN as OVERLAP_MARGIN
 from trainer.comm.overlap_auto import OverlapTuner
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
@@ -93,18 +95,33 @@ def open_data(cfg: TrainConfig, cache: str = "") -> Data:
     return Data(train, train, tr, va)
 
 
-def _choose_comm(cfg: TrainConfig, info: DistInfo, model: nn.Module, device: torch.device
+def _choose_comm(cfg: TrainConfig, info: DistInfo, model: nn.Module, device: torch.device, classes: int
                  ) -> tuple[TrainConfig, str]:
-    """``--comm auto`` at a fresh start: the cheapest method for this model's gradients on this job's
-    measured links (:mod:`trainer.comm.probe`); the config with that method and the log line. The
-    checkpoints then record the method, so a resume keeps it. COLLECTIVE."""
-    from trainer.comm.probe import choose_method
+    """``--comm auto`` at a fresh start: the method whose predicted step is the shortest for this model's
+    gradients on this job's measured links and its measured forward + backward (:mod:`trainer.comm.probe`);
+    with ``--overlap auto`` also ``none`` at once when the model gives the thread nothing. The config
+    with that method (and mode) and the log lines. The checkpoints then record the method, so a resume
+    keeps it. COLLECTIVE."""
+    from trainer.comm.probe import choose_method, measure_step
     from trainer.comm.topology import Topology
 
     topo = Topology.from_env(info.local_world_size)
-    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    choice = choose_method(topo, d, cfg.density, fp16=cfg.fp16_comm, device=device)
-    return dataclasses.replace(cfg, comm=choice.method), choice.line()
+    params = [p for p in model.parameters() if p.requires_grad]
+    d = sum(p.numel() for p in params)
+    # one batch of the first epoch's shape, from its own generator (the run's RNG is not touched)
+    b, res = cfg.global_batch(0, info.world_size) // info.world_size, cfg.resolution_schedule.at(0)
+    fmt = torch.channels_last if channels_last(cfg, device) else torch.contiguous_format
+    x = torch.randn((b, 3, res, res), generator=torch.Generator().manual_seed(0))
+    x = x.to(device, memory_format=fmt)
+    y = (torch.arange(b) % classes).to(device)
+    step = measure_step(model, x, y, autocast=make_amp(cfg, device).autocast, device=device)
+    # DDP's buckets (the pieces that communicate while backward goes on); --overlap cross cuts the same size
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    pieces = max(1, math.ceil(nbytes / (cfg.bucket_cap_mb * 2**20)))
+    choice = choose_method(topo, d, cfg.density, fp16=cfg.fp16_comm, device=device, step=step,
+                           overlap=cfg.overlap, pieces=pieces, margin=OVERLAP_MARGIN)
+    lines = "\n".join(ln for ln in (choice.line(), choice.overlap_line()) if ln)
+    return dataclasses.replace(cfg, comm=choice.method, overlap=choice.overlap), lines
 
 
 def _schedules(cfg: TrainConfig, epoch: int, gbs: int, steps: int, lr: float) -> dict[str, Any]:
@@ -331,7 +348,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     if loaded is not None:
         _apply("model", train_file, lambda: model.load_state_dict(loaded.train["model"]), hint)
     if cfg.comm == COMM_AUTO:  # a fresh start: measure this job's links, pick (COLLECTIVE)
-        cfg, auto_note = _choose_comm(cfg, info, model, device)
+        cfg, auto_note = _choose_comm(cfg, info, model, device, len(data.train.classes))
     optimizer = make_optimizer(cfg, model)
     ddp, state = make_ddp(model, cfg, device, optimizer)  # --overlap cross: steps the optimizer itself
     amp = make_amp(cfg, device)

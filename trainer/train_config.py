@@ -127,9 +127,10 @@ class TrainConfig:
     lars_eps: float = _f(0.0, "LARS eps in the trust ratio's denominator", "optimizer")
     # gradient communication
     comm: str = _f("allreduce", "comm method, or a schedule EPOCH:METHOD,... (e.g. 0:hitopk,13:torus); "
-                   f"methods: {', '.join(METHOD_CHOICES)}; or auto: the cheapest method by the cost model "
-                   "with this job's links and selection cost measured at start (a resume keeps the "
-                   "checkpoint's method)", "comm")
+                   f"methods: {', '.join(METHOD_CHOICES)}; or auto: the method with the shortest step by the "
+                   "cost model, with this job's links, selection cost and forward + backward measured at "
+                   "start (with --overlap auto also none at once when the model gives async nothing; a "
+                   "resume keeps the checkpoint's method)", "comm")
     selector: str = _f("auto", "top-k selector of the sparse methods (auto: MSTopK on the CPU, torch.topk "
                                 "on CUDA, the faster of the two on each)", "comm", SELECTOR_CHOICES)
     density: float = _f(0.01, "fraction of each bucket the sparse methods send", "comm")
@@ -142,7 +143,8 @@ class TrainConfig:
                       "pieces of --bucket-cap-mb started front layers first under --comm-credit-mb per "
                       "round, each applied as it arrives while the next forward runs; CUDA on a side "
                       "stream; no --pto, --fp16-comm or fp16 AMP) or auto (none and async timed on the "
-                      "first 19 steps, the faster kept and logged)", "comm", OVERLAP_CHOICES)
+                      "first 19 steps, the faster kept and logged; with --comm auto, none without timing "
+                      "when the cost model gives async nothing)", "comm", OVERLAP_CHOICES)
     comm_credit_mb: float = _f(8.0, "--overlap cross: MB of pieces one negotiation round may start "
                                "(ByteScheduler's credit: smaller lets front layers overtake sooner, at one "
                                "tiny all-reduce per round)", "comm")

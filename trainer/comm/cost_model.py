@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainer.comm.names import FINAL_GATHER_FORMS, METHOD_CHOICES, PHASES, check_choice
+from trainer.comm.names import FINAL_GATHER_FORMS, METHOD_CHOICES, OVERLAP_CHOICES, PHASES, check_choice
 
 INDEX_BYTES = 4  # int32 indices (trainer/comm/collectives.py::all_gather_packed bit-casts them)
 
@@ -255,6 +255,40 @@ def overlapped_step(compute_s: float, comm_s: float, *, pieces: int = 1, backwar
     asyn = fwd + max(bwd + c, bwd / pieces + comm_s)
     return {"none": asyn if dense_hook else compute_s + comm_s, "async": asyn,
             "cross_bound": max(compute_s + c, comm_s), "bound": max(compute_s, comm_s)}
+
+
+def rank_by_step(rows: Sequence[dict[str, object]], compute_s: float, *, overlap: str, pieces: int = 1,
+                 backward_share: float = 2 / 3, margin: float = 0.03
+                 ) -> tuple[str, str, list[dict[str, object]]]:
+    """``--comm auto`` with the step measured: rank :func:`recommend`'s rows by the predicted step.
+
+    Each row gets ``step_none``, ``step_async``, ``step_cross_bound`` (:func:`overlapped_step` with
+    ``compute_s`` and ``pieces``; the dense all-reduce is overlapped by DDP even in ``none``) and
+    ``step``, the one it is ranked by: the step of the given ``overlap`` mode (``cross``: its bound), or
+    for ``auto`` the better of ``none`` and ``async`` (the two ``--overlap auto`` chooses between).
+
+    Returns ``(method, overlap, rows)``, rows fastest first. ``overlap`` is the given mode, except for
+    ``auto``: ``"none"`` when even this contention-free model gives the chosen method's ``async`` less
+    than ``margin`` over ``none`` (the thread cannot pay), else ``"auto"`` (it may pay: the trainer
+    measures both on the first steps, since the cores backward and the thread share are what the model
+    leaves out).
+    """
+    check_choice("rank_by_step overlap", overlap, OVERLAP_CHOICES)
+    if not rows:
+        raise ValueError("rows is empty; pass recommend()'s rows")
+    out = []
+    for r in rows:
+        st = overlapped_step(compute_s, float(r["total"]), pieces=pieces,  # type: ignore[arg-type]
+                             backward_share=backward_share, dense_hook=r["method"] == "allreduce")
+        step = {"none": st["none"], "async": st["async"], "cross": st["cross_bound"],
+                "auto": min(st["none"], st["async"])}[overlap]
+        out.append({**r, **{f"step_{k}": v for k, v in st.items() if k != "bound"}, "step": step})
+    out.sort(key=lambda r: (float(r["step"]), float(r["total"])))  # type: ignore[arg-type]
+    best = out[0]
+    mode = overlap
+    if overlap == "auto" and not float(best["step_async"]) < float(best["step_none"]) * (1.0 - margin):  # type: ignore[arg-type]
+        mode = "none"
+    return str(best["method"]), mode, out
 
 
 # ---------------------------------------------------------------- fitting

@@ -37,6 +37,7 @@ from trainer.comm.state import HookState
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, str] = ("none", "async")
+MARGIN = 0.03  # async must be this fraction faster to be kept (one thread fewer otherwise)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class OverlapTuner:
     Per training step: :meth:`before_step`, the step, :meth:`after_step`. ``clock``: seconds (tests)."""
 
     def __init__(self, state: HookState, *, device: torch.device, warmup: int = 3, block: int = 4,
-                 blocks: int = 4, margin: float = 0.03,
+                 blocks: int = 4, margin: float = MARGIN,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         if state.config.overlap != "auto":
             raise ValueError(f"OverlapTuner needs CommConfig(overlap='auto'), got {state.config.overlap!r}")

@@ -12,6 +12,13 @@ ranks and links, in a few seconds before training starts:
 * **compute** (:func:`measure_compute`): MSTopK selection with error-feedback compensation, the dense
   passes of decompression and the scatter-add of received pairs, on ``min(d, 4M)`` elements of the
   training device, fitted per element.
+* **the step** (:func:`measure_step`, when the trainer passes its model and batch): forward and
+  backward of this job's model on one batch of its shape, without communication, and the backward's
+  share of it. The methods are then ranked by the step the cost model predicts with that compute
+  (:func:`~trainer.comm.cost_model.rank_by_step`: the dense all-reduce overlapped by DDP, and with
+  ``--overlap auto`` the better of the synchronous and the asynchronous hooks), not by communication
+  alone; with ``--overlap auto`` a method for which even the contention-free model gives the thread
+  nothing is run synchronously without the measuring steps.
 
 Every timing is averaged over the ranks that ran it (an all_reduce), so every rank fits the same numbers
 and makes the same choice (:func:`choose_method` is COLLECTIVE). Host syncs: the probe reads its
@@ -21,6 +28,7 @@ timings on the host on purpose (it runs once, before training); on CUDA each tim
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.comm import cost_model as cm
-from trainer.comm.names import METHOD_CHOICES
+from trainer.comm.names import METHOD_CHOICES, OVERLAP_CHOICES
 
 # bytes: the buffer of all_reduce / reduce_scatter, each rank's share of all_gather
 PROBE_SIZES = (64 << 10, 1 << 20, 4 << 20)
@@ -127,6 +135,51 @@ def measure_compute(d: int, rho: float, world: int, reps: int,
     return out
 
 
+@dataclass(frozen=True)
+class StepCompute:
+    """Seconds of one training step's forward + backward without communication (mean over the ranks),
+    and the backward's share of them (:func:`measure_step`)."""
+
+    seconds: float
+    backward_share: float
+
+
+def measure_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, reps: int = 3,
+                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 device: torch.device | None = None) -> StepCompute:
+    """Time ``model``'s forward (with autograd, as in training) and forward + backward on ``(x, y)``,
+    cross-entropy loss, under the training step's ``autocast``; the model is left as it was: BatchNorm's
+    buffers are restored and the gradients dropped (parameters are untouched: no optimizer step), and
+    the global RNG is restored (dropout). COLLECTIVE (``timed``: barrier-aligned, mean over the ranks).
+    HAZARD, CUDA: each timed call ends with a synchronize (on purpose: the host clock must cover the
+    kernels); this runs once, before training."""
+    ac = autocast or contextlib.nullcontext
+    saved = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    cuda = device is not None and device.type == "cuda"
+
+    def forward() -> torch.Tensor:
+        with ac():
+            return torch.nn.functional.cross_entropy(model(x), y)
+
+    def step() -> None:
+        forward().backward()
+        for p in model.parameters():
+            p.grad = None  # the next rep allocates afresh, as a step after zero_grad(set_to_none) does
+
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        try:
+            fwd = timed(forward, reps, device=device)
+            total = timed(step, reps, device=device)
+        finally:
+            with torch.no_grad():
+                for name, buf in model.named_buffers():
+                    buf.copy_(saved[name])
+            for p in model.parameters():
+                p.grad = None
+    share = min(1.0, max(0.0, 1.0 - fwd / total)) if total > 0 else 2 / 3
+    return StepCompute(total, share)
+
+
 def fit_profile(meas: dict[str, dict[str, list[float]]], p: int) -> cm.LinkProfile:
     """The link as each collective sees it, from :func:`measure_collectives`' timings among ``p`` ranks."""
     return cm.LinkProfile(**{k: cm.fit_collective(k, p, meas[k]["sizes_bytes"], meas[k]["times_s"])
@@ -152,27 +205,65 @@ class AutoChoice:
     n: int = 1
     d: int = 0
     rho: float = 0.0
+    step: StepCompute | None = None  # measured: the rows are ranked by the predicted step
+    overlap: str = ""  # with the step measured: the --overlap mode to run (rank_by_step)
+    asked_overlap: str = ""
+    pieces: int = 1
 
     def line(self) -> str:
         """One log line: the choice, every method's prediction, the measured links."""
+        if self.step is not None:
+            return self._step_line()
         preds = ", ".join(f"{r['method']} {1e3 * float(r['total']):.1f}" for r in self.rows)
-
-        def gbit(link: cm.LinkProfile) -> str:
-            b = link.all_reduce.beta_s_per_byte
-            return "-" if b == 0 else f"{8 / b / 1e9:.2f} Gbit/s"
 
         return (f"--comm auto: {self.method} (predicted ms per step for {self.d:,} gradient elements at "
                 f"density {self.rho:g} on {self.m} node(s) x {self.n} rank(s): {preds}; measured all_reduce "
-                f"bandwidth inter {gbit(self.inter)}, intra {gbit(self.intra)}; selection "
+                f"bandwidth inter {_gbit(self.inter)}, intra {_gbit(self.intra)}; selection "
                 f"{1e9 * self.compute.select_s_per_elem:.2f} ns/element)")
+
+    def _step_line(self) -> str:
+        assert self.step is not None
+        mode = self.asked_overlap
+        ranked_by = {"none": "the synchronous hooks (the dense all-reduce overlapped by DDP)",
+                     "async": "--overlap async", "cross": "--overlap cross's lower bound",
+                     "auto": "the better of the synchronous and the asynchronous hooks"}[mode]
+        preds = ", ".join(f"{r['method']} {1e3 * float(r['step']):.1f} ({1e3 * float(r['total']):.1f} comm)"
+                          for r in self.rows)
+        return (f"--comm auto: {self.method} (predicted ms per step with {1e3 * self.step.seconds:.1f} ms of "
+                f"forward + backward measured ({100 * self.step.backward_share:.0f} % backward) and "
+                f"{self.pieces} bucket(s), by {ranked_by}, for {self.d:,} gradient elements at density "
+                f"{self.rho:g} on {self.m} node(s) x {self.n} rank(s): {preds}; measured all_reduce "
+                f"bandwidth inter {_gbit(self.inter)}, intra {_gbit(self.intra)}; selection "
+                f"{1e9 * self.compute.select_s_per_elem:.2f} ns/element)")
+
+    def overlap_line(self) -> str:
+        """With ``--overlap auto``: the overlap mode the model leaves to run, and why ("" otherwise)."""
+        if self.step is None or self.asked_overlap != "auto":
+            return ""
+        r = self.rows[0]
+        gain = float(r["step_none"]) / float(r["step_async"]) if float(r["step_async"]) > 0 else 1.0
+        if self.overlap == "none":
+            return (f"--comm auto, --overlap auto: none for {self.method} (the model, which leaves out the "
+                    f"cores backward and a communication thread share, gives async at most {gain:.2f}x "
+                    "the synchronous step: its thread cannot pay; not measured)")
+        return (f"--comm auto, --overlap auto: the model gives {self.method} async up to {gain:.2f}x the "
+                "synchronous step (no contention for cores): both are timed on the first steps to decide")
+
+
+def _gbit(link: cm.LinkProfile) -> str:
+    b = link.all_reduce.beta_s_per_byte
+    return "-" if b == 0 else f"{8 / b / 1e9:.2f} Gbit/s"
 
 
 def choose_method(topo: Any, d: int, rho: float, *, fp16: bool = False, reps: int = 3,
                   sizes: Sequence[int] = PROBE_SIZES, device: torch.device | None = None,
-                  methods: Sequence[str] = METHOD_CHOICES) -> AutoChoice:
+                  methods: Sequence[str] = METHOD_CHOICES, step: StepCompute | None = None,
+                  overlap: str = "none", pieces: int = 1, margin: float = 0.03) -> AutoChoice:
     """Measure (module docstring) and return the cheapest of ``methods`` for ``d`` gradient elements at
-    density ``rho``. COLLECTIVE: every rank calls it and gets the same answer (the timings are averaged
-    over the ranks, then rank 0's choice is broadcast)."""
+    density ``rho``: by predicted communication, or -- given the measured ``step`` -- by the predicted
+    step in ``overlap`` mode with ``pieces`` buckets (and for ``overlap="auto"`` the mode to run,
+    :func:`~trainer.comm.cost_model.rank_by_step`). COLLECTIVE: every rank calls it and gets the same
+    answer (the timings are averaged over the ranks, then rank 0's choice is broadcast)."""
     m, n = topo.num_nodes, topo.local_size
     intra = inter = _ZERO
     if n > 1:  # every node's group at once
@@ -182,9 +273,15 @@ def choose_method(topo: Any, d: int, rho: float, *, fp16: bool = False, reps: in
         inter = fit_profile(meas, m)
     compute = fit_compute(measure_compute(min(d, COMPUTE_MAX), rho, topo.world_size, reps, device))
     method, rows = cm.recommend(d, rho, m, n, intra, inter, compute, methods=methods, fp16=fp16)
+    mode = ""
+    if step is not None:
+        method, mode, rows = cm.rank_by_step(rows, step.seconds, overlap=overlap, pieces=pieces,
+                                             backward_share=step.backward_share, margin=margin)
     # one answer everywhere even if a float comparison differed between ranks: rank 0's index wins
-    pick = torch.tensor([list(methods).index(method)], dtype=torch.int64,
+    modes = ("", *OVERLAP_CHOICES)
+    pick = torch.tensor([list(methods).index(method), modes.index(mode)], dtype=torch.int64,
                         device=device if device is not None and device.type == "cuda" else None)
     dist.broadcast(pick, 0)
-    method = list(methods)[int(pick.item())]
-    return AutoChoice(method, rows, intra, inter, compute, m, n, d, rho)
+    method, mode = list(methods)[int(pick[0].item())], modes[int(pick[1].item())]
+    return AutoChoice(method, rows, intra, inter, compute, m, n, d, rho, step, mode,
+                      overlap if step is not None else "", pieces)
