@@ -29,7 +29,11 @@ the cores is a third bound (``overlap_vs_machine_bound_<method>``).
 Ratios (``bench/results/overlap.json``): ``overlap_<method>_vs_sync`` = sync step / the better
 overlap mode's step at 1 Gbit/s (other rates suffixed, e.g. ``overlap_hitopk_vs_sync_0.2gbit``,
 ``_fast``), each mode's own as ``overlap_<method>_<mode>_vs_sync``, and ``overlap_vs_bound_<method>`` =
-bound / the better mode's step at 1 Gbit/s. Plus a timeline PNG of one step
+bound / the better mode's step at 1 Gbit/s. Beside them the cost model's ideal for each row
+(:func:`trainer.comm.cost_model.overlapped_step` with the row's measured compute, forward share,
+communication and bucket count): ``overlap_<method>_model_ceiling`` = sync step / the model's best
+overlapped step (what no mode can beat on these measurements) and ``overlap_<method>_async_vs_model`` =
+the model's async step / the measured one. Plus a timeline PNG of one step
 per mode (per bucket: gradient ready, communication start and end, next forward of its layer).
 
 ``python -m bench.overlap [--rates 1,0.2,fast] [--quick]`` (root: network namespaces).
@@ -41,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -180,6 +185,8 @@ class _Runner:
                 mod.register_forward_pre_hook(lambda m, i, n=name: stamp((n, time.perf_counter())))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.steps: list[float] = []
+        self.fwd: list[float] = []  # compute-only runner: seconds of forward per step (backward's share)
+        self._fwd = 0.0
         self.cpu: list[float] = []
         self.busy: list[float] = []
         self.inline: list[float] = []
@@ -192,7 +199,10 @@ class _Runner:
             self.engine.backward(self.loss_fn(self.engine(self.x), self.y))
             return
         self.net.zero_grad(set_to_none=True)
-        self.loss_fn(self.net(self.x), self.y).backward()
+        t = time.perf_counter()
+        loss = self.loss_fn(self.net(self.x), self.y)
+        self._fwd += time.perf_counter() - t
+        loss.backward()
         if self.state is not None:
             maybe_step(self.opt, self.state)
         else:
@@ -212,6 +222,7 @@ class _Runner:
         if self.engine is not None:
             self.engine.trace.clear()
         torch.distributed.barrier()  # every rank starts the block together (untimed)
+        self._fwd = 0.0
         c0, t0 = time.process_time(), time.perf_counter()
         ends = []
         for _ in range(self.a.block):
@@ -224,6 +235,7 @@ class _Runner:
             return
         k = self.a.block
         self.steps.append((t1 - t0) / k)
+        self.fwd.append(self._fwd / k)
         self.cpu.append((time.process_time() - c0) / k)
         if thread is not None and thread.trace is not None:
             self.busy.append(sum(end - start for _, start, end in thread.trace) / k)
@@ -263,7 +275,7 @@ class _Runner:
             self.engine.close()
         elif self.state is not None:
             self.state.close()
-        return {"step_s": _over_ranks(self.steps, "max"), "cpu_s": self.cpu,
+        return {"step_s": _over_ranks(self.steps, "max"), "fwd_s": self.fwd, "cpu_s": self.cpu,
                 "cpu_all_ranks_s": _over_ranks(self.cpu, "sum"),
                 "comm_busy_s": self.busy, "comm_inline_s": self.inline, "timeline": self.timeline}
 
@@ -311,7 +323,7 @@ def _launch(c: Any, a: argparse.Namespace, tag: str, port: int) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix="dc-overlap-") as tmp:
         result = Path(tmp) / "rank0.json"
         procs, logs = [], []
-        n = len(c.addrs)
+        n = a.nodes  # one rank on each of the first n nodes (the cluster has at least 3: Redis needs them)
         for rank in range(n):
             env = {"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                    "MASTER_PORT": str(port), "DC_ALLOWED_ADDRS": ",".join(c.addrs), "OMP_NUM_THREADS": "1",
@@ -358,6 +370,7 @@ def analyse(raw: dict[str, dict[str, Any]], methods: list[str], models: list[str
                 comm = row["async"]["comm_busy_s"] or 0.0
                 bound = max(compute, comm)
                 row["compute_s"], row["comm_s"], row["bound_s"] = compute, comm, bound
+                row.update(_model_row(res, method, compute, comm, row["none"]["step_s"]))
                 row["comm_share"] = comm / row["none"]["step_s"] if row["none"]["step_s"] else None
                 best = min(OVERLAP_MODES, key=lambda m: row[m]["step_s"])
                 row["best_mode"] = best
@@ -375,10 +388,34 @@ def analyse(raw: dict[str, dict[str, Any]], methods: list[str], models: list[str
                     ratios[f"overlap_{method}_vs_sync{sfx}"] = row[f"{best}_vs_sync"]  # the best mode
                     for mode in OVERLAP_MODES:
                         ratios[f"overlap_{method}_{mode}_vs_sync{sfx}"] = row[f"{mode}_vs_sync"]
+                    # the cost model's ideal (no contention) with this row's compute and communication:
+                    # what overlap could give here at best, and how close async comes to its prediction
+                    ratios[f"overlap_{method}_model_ceiling{sfx}"] = row["model_ceiling"]
+                    model_async = row["model"]["async"]
+                    ratios[f"overlap_{method}_async_vs_model{sfx}"] = model_async / row["async"]["step_s"]
                     if rate == "1":
                         ratios[f"overlap_vs_bound_{method}"] = row[f"{best}_vs_bound"]
                         ratios[f"overlap_vs_machine_bound_{method}"] = row[f"{best}_vs_machine_bound"]
     return table, ratios
+
+
+def _model_row(res: dict[str, Any], method: str, compute: float, comm: float, sync: float) -> dict[str, Any]:
+    """The cost model's steps (:func:`trainer.comm.cost_model.overlapped_step`, no contention) for this
+    row's measured compute-only step (its forward share measured beside), the async thread's busy
+    seconds as the communication, and the sync run's bucket count as the pieces; ``model_ceiling`` =
+    the measured sync step / the model's best overlap (async, or cross's lower bound): no mode can beat
+    it on these measurements."""
+    from trainer.comm.cost_model import overlapped_step
+
+    fwds = res[f"compute/{method}"].get("fwd_s") or []  # absent: the model's default share
+    share = min(1.0, max(0.0, 1.0 - statistics.median(fwds) / compute)) if fwds and compute > 0 else 2 / 3
+    tl = res[f"{method}/none"].get("timeline") or {}
+    pieces = max(1, len(tl.get("buckets") or []))
+    model = overlapped_step(compute, comm, pieces=pieces, backward_share=share,
+                            dense_hook=method == "allreduce")
+    best = min(model["async"], model["cross_bound"])
+    return {"model": model, "model_pieces": pieces, "backward_share": share,
+            "model_ceiling": sync / best if best > 0 else None}
 
 
 def _raw_steps(raw: dict[str, Any]) -> dict[str, Any]:
@@ -423,7 +460,7 @@ def plot_timeline(raw: dict[str, Any], rate: str, model: str, method: str, path:
     save_figure(fig, path)
 
 
-def plot_ratios(table: dict[str, Any], model: str, path: Path) -> None:
+def plot_ratios(table: dict[str, Any], model: str, path: Path, nodes: int = 3) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -444,8 +481,8 @@ def plot_ratios(table: dict[str, Any], model: str, path: Path) -> None:
     ax.axhline(TARGET_VS_SYNC, color="r", lw=0.8, ls="--", label=f"goal {TARGET_VS_SYNC}")
     ax.set_xticks([i + width * (len(rates) - 1) / 2 for i in range(len(methods))], methods)
     ax.set_ylabel("sync step / best overlap mode's step")
-    ax.set_title(f"best of --overlap async / cross vs synchronous hooks ({model}, 3 emulated nodes x 1 rank)",
-                 fontsize=9)
+    ax.set_title(f"best of --overlap async / cross vs synchronous hooks ({model}, {nodes} emulated nodes x "
+                 "1 rank)", fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, path)
 
@@ -475,6 +512,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "overlap_quick.json")
     ap.add_argument("--results-dir", default=str(RESULTS_DIR), help="where overlap(_quick).json and PNGs go")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per rate")
+    ap.add_argument("--nodes", type=int, default=3,
+                    help="nodes with one rank each (default 3; 2 leaves a core per rank on a 2-core "
+                         "machine, so the link rather than the CPU can bind; the emulated cluster keeps 3)")
+    ap.add_argument("--name", default="",
+                    help="result name (default overlap, or overlap_quick with --quick): "
+                         "bench/results/NAME.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -487,6 +530,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for m in a.models:
         if m not in MODELS:
             ap.error(f"--models: {m!r}; choose from {', '.join(MODELS)}")
+    if a.nodes < 2:
+        ap.error(f"--nodes {a.nodes}: needs at least 2 (one rank per node)")
+    if a.name and not re.fullmatch(r"[a-z0-9_]+", a.name):
+        ap.error(f"--name {a.name!r}: lower-case letters, digits and _ only (it names files)")
     if a.quick and not a.worker:
         # 1 Gbit/s then unshaped: the ratio names of both kinds, and the switch to unshaped links
         a.rates, a.iters, a.warmup, a.scale, a.hidden, a.width, a.batch = "1,fast", 2, 1, 256.0, 32, 4, 8
@@ -511,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[str, Any] = {}
     first = None if rates[0] == "fast" else float(rates[0])
     with tempfile.TemporaryDirectory(prefix="dc-overlap-emu-") as d, \
-            EmuCluster(EmuConfig(nodes=3, rate_gbit=first, state_dir=d, timeout=120.0)) as c:
+            EmuCluster(EmuConfig(nodes=max(3, a.nodes), rate_gbit=first, state_dir=d, timeout=120.0)) as c:
         for k, rate in enumerate(rates):
             if k:
                 c.set_rate(None if rate == "fast" else float(rate))
@@ -519,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             raw[rate] = _launch(c, a, f"{rate}", 29500 + k)
     table, ratios = analyse(raw, a.methods, a.models, os.cpu_count() or 1)
-    name = "overlap_quick" if a.quick else "overlap"
+    name = a.name or ("overlap_quick" if a.quick else "overlap")
     out = Path(a.results_dir)
     notes = [f"bound = max(compute, comm): compute = the step without DDP, comm = the communication thread's "
              f"busy seconds per step (async mode); goals: vs_sync >= {TARGET_VS_SYNC} where comm >= 30 % "
@@ -537,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = "1" if "1" in raw else rates[0]
     method = "hitopk" if "hitopk" in a.methods else a.methods[0]
     plot_timeline(raw, rate, model, method, out / f"{name}_timeline.png")
-    plot_ratios(table, model, out / f"{name}.png")
+    plot_ratios(table, model, out / f"{name}.png", a.nodes)
     for r, by in table.items():
         for m, rows in by.items():
             for meth, row in rows.items():

@@ -47,6 +47,20 @@ def test_quick_run_writes_every_ratio(tmp_path: Path) -> None:
     assert "machine:" in r.stdout
 
 
+@pytest.mark.skipif(why_unavailable() is not None, reason=f"emulated cluster: {why_unavailable()}")
+def test_two_nodes_run_two_ranks_under_their_own_name(tmp_path: Path) -> None:
+    """--nodes 2 (a core per rank on a 2-core machine): two ranks on the 3-node emulated cluster, written
+    under --name."""
+    r = subprocess.run([sys.executable, "-m", "bench.overlap", "--quick", "--nodes", "2", "--methods",
+                        "torus", "--name", "overlap_two", "--results-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "overlap_two.json").read_text())
+    assert doc["config"]["nodes"] == 2 and doc["ratios"]["overlap_torus_vs_sync"] > 0
+    assert "Topology: 2 nodes of 1 ranks" in r.stderr and "Topology: 3 nodes" not in r.stderr
+    assert (tmp_path / "overlap_two.png").stat().st_size > 0
+
+
 def test_help_explains_itself() -> None:
     r = subprocess.run([sys.executable, "-m", "bench.overlap", "--help"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
@@ -54,6 +68,11 @@ def test_help_explains_itself() -> None:
     bad = subprocess.run([sys.executable, "-m", "bench.overlap", "--methods", "ring"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "allreduce, torus, naive_ag, hitopk" in bad.stderr
+    for args, why in ((["--nodes", "1"], "--nodes 1: needs at least 2"),
+                      (["--name", "../x"], "--name '../x': lower-case letters")):
+        bad = subprocess.run([sys.executable, "-m", "bench.overlap", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
 
 
 def test_ratio_names_and_bounds_from_measured_steps() -> None:
@@ -75,6 +94,18 @@ def test_ratio_names_and_bounds_from_measured_steps() -> None:
     assert ratios["overlap_vs_bound_hitopk"] == 0.18 / 0.21
     assert row["cpu_floor_s"] == pytest.approx(0.15)
     assert ratios["overlap_vs_machine_bound_hitopk"] == 0.18 / 0.21
+    assert row["model_pieces"] == 1 and row["backward_share"] == pytest.approx(2 / 3)  # unmeasured: defaults
+    # the model's ceiling from the measured forward share and bucket count (the formulas restated by hand;
+    # tests/test_cost_model.py checks them against an event simulation)
+    res["compute/hitopk"]["fwd_s"] = [0.04, 0.04, 0.05]
+    res["hitopk/none"]["timeline"] = {"buckets": [{"bucket": i} for i in range(4)]}
+    table, ratios = analyse({"1": {"r50stack": res}}, ["hitopk"], ["r50stack"], 2)
+    row = table["1"]["r50stack"]["hitopk"]
+    f, b, comm, n = 0.04, 0.11 - 0.04, 0.18, 4
+    asyn, cross = f + max(b + comm / n, b / n + comm), max(f + b + comm / n, comm)
+    assert row["model_pieces"] == 4 and row["model"]["async"] == pytest.approx(asyn)
+    assert ratios["overlap_hitopk_model_ceiling"] == pytest.approx(0.31 / min(asyn, cross))
+    assert ratios["overlap_hitopk_async_vs_model"] == pytest.approx(asyn / 0.21)
     res["hitopk/cross"]["step_s"] = [0.15, 0.16, 0.14]
     table, ratios = analyse({"1": {"r50stack": res}}, ["hitopk"], ["r50stack"], 2)
     assert table["1"]["r50stack"]["hitopk"]["best_mode"] == "cross"

@@ -215,7 +215,8 @@ def test_overlap_table_numbers_are_the_json_ratios() -> None:
                  "`cross`, 1 Gbit/s": "overlap_{m}_cross_vs_sync",
                  "`async`, 0.2 Gbit/s": "overlap_{m}_async_vs_sync_0.2gbit",
                  "`async`, unshaped": "overlap_{m}_async_vs_sync_fast",
-                 "`async` / bound, 1 Gbit/s": "overlap_vs_bound_{m}"}
+                 "best / bound, 1 Gbit/s": "overlap_vs_bound_{m}",
+                 "ceiling, 1 Gbit/s": "overlap_{m}_model_ceiling"}
     assert head[0] == "`--comm`" and head[1:] == list(templates), head
     methods = []
     for ln in lines[2:]:
