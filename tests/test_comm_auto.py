@@ -162,7 +162,7 @@ def test_measure_step_leaves_the_model_and_rng_as_they_were() -> None:
     res = run_distributed(_measure, world_size=2, local_size=2)
     assert all(r["same"] and all(r["grads"]) and r["rng"] for r in res)  # BatchNorm stats, grads, dropout RNG
     assert res[0]["seconds"] == res[1]["seconds"] > 0  # the mean over the ranks, on every rank
-    assert 0 < res[0]["share"] < 1
+    assert 0 <= res[0]["share"] <= 1  # the forward timed apart: clamped, never outside
 
 
 @pytest.mark.slow
