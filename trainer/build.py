@@ -17,6 +17,7 @@ from trainer.comm import CommConfig, HookState, MethodSchedule, wrap
 from trainer.comm.cross_barrier import CrossBarrier, piece_optimizers
 from trainer.models import build_model
 from trainer.optim import LAMB, LARS
+from trainer.scratch_pass import leaves_no_trace
 from trainer.train_config import TrainConfig
 
 
@@ -141,17 +142,11 @@ def layout_warmup(ddp: nn.parallel.DistributedDataParallel, state: HookState, ba
     the activations training saves (fp16/bf16: about half of fp32's) -- a batch size tuned with AMP
     must not run out of memory only when a run resumes.
     """
-    module = ddp.module
-    saved = {name: buf.detach().clone() for name, buf in module.named_buffers()}
     step = state.step
     x, y = batch
-    with (autocast or contextlib.nullcontext)():
-        loss = loss_fn(ddp(x), y)
-    loss.backward()
-    state.finish_step(skipped=False)  # leaves the warm-up (fresh -> False), keeps all residuals
-    state.step = step
-    with torch.no_grad():
-        for name, buf in module.named_buffers():
-            buf.copy_(saved[name])
-    for p in module.parameters():
-        p.grad = None
+    with leaves_no_trace(ddp.module):  # BatchNorm buffers restored, gradients dropped
+        with (autocast or contextlib.nullcontext)():
+            loss = loss_fn(ddp(x), y)
+        loss.backward()
+        state.finish_step(skipped=False)  # leaves the warm-up (fresh -> False), keeps all residuals
+        state.step = step

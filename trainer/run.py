@@ -43,7 +43,6 @@ from trainer.build import (
 )
 from trainer.comm.auto_topk import auto_resolves_to
 from trainer.comm.cross_barrier import CrossBarrier
-from trainer.comm.overlap_auto import MARGIN as OVERLAP_MARGIN
 from trainer.comm.overlap_auto import OverlapTuner
 from trainer.data import DistributedBatchSampler, split_indices, train_loader, val_loader
 from trainer.device_augment import DeviceAugment
@@ -119,7 +118,7 @@ def _choose_comm(cfg: TrainConfig, info: DistInfo, model: nn.Module, device: tor
     nbytes = sum(p.numel() * p.element_size() for p in params)
     pieces = max(1, math.ceil(nbytes / (cfg.bucket_cap_mb * 2**20)))
     choice = choose_method(topo, d, cfg.density, fp16=cfg.fp16_comm, device=device, step=step,
-                           overlap=cfg.overlap, pieces=pieces, margin=OVERLAP_MARGIN)
+                           overlap=cfg.overlap, pieces=pieces)
     lines = "\n".join(ln for ln in (choice.line(), choice.overlap_line()) if ln)
     return dataclasses.replace(cfg, comm=choice.method, overlap=choice.overlap), lines
 

@@ -257,8 +257,17 @@ def overlapped_step(compute_s: float, comm_s: float, *, pieces: int = 1, backwar
             "cross_bound": max(compute_s + c, comm_s), "bound": max(compute_s, comm_s)}
 
 
+ASYNC_MARGIN = 0.03  # async must be this fraction faster than none to pay for its thread
+
+
+def async_pays(none_s: float, async_s: float, margin: float = ASYNC_MARGIN) -> bool:
+    """The one rule for the communication thread (``--overlap auto``'s measurement and the model's
+    prediction alike): its step at least ``margin`` (a fraction) shorter than the synchronous one."""
+    return async_s < none_s * (1.0 - margin)
+
+
 def rank_by_step(rows: Sequence[dict[str, object]], compute_s: float, *, overlap: str, pieces: int = 1,
-                 backward_share: float = 2 / 3, margin: float = 0.03
+                 backward_share: float = 2 / 3, margin: float = ASYNC_MARGIN
                  ) -> tuple[str, str, list[dict[str, object]]]:
     """``--comm auto`` with the step measured: rank :func:`recommend`'s rows by the predicted step.
 
@@ -285,10 +294,8 @@ def rank_by_step(rows: Sequence[dict[str, object]], compute_s: float, *, overlap
         out.append({**r, **{f"step_{k}": v for k, v in st.items() if k != "bound"}, "step": step})
     out.sort(key=lambda r: (float(r["step"]), float(r["total"])))  # type: ignore[arg-type]
     best = out[0]
-    mode = overlap
-    if overlap == "auto" and not float(best["step_async"]) < float(best["step_none"]) * (1.0 - margin):  # type: ignore[arg-type]
-        mode = "none"
-    return str(best["method"]), mode, out
+    pays = async_pays(float(best["step_none"]), float(best["step_async"]), margin)  # type: ignore[arg-type]
+    return str(best["method"]), "none" if overlap == "auto" and not pays else overlap, out
 
 
 # ---------------------------------------------------------------- fitting

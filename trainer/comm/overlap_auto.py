@@ -33,11 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.comm.cost_model import ASYNC_MARGIN, async_pays
 from trainer.comm.state import HookState
 
 log = logging.getLogger(__name__)
 MODES: tuple[str, str] = ("none", "async")
-MARGIN = 0.03  # async must be this fraction faster to be kept (one thread fewer otherwise)
+MARGIN = ASYNC_MARGIN  # async must be this fraction faster to be kept (one thread fewer otherwise)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class OverlapDecision:
 
 def decide(none_s: float, async_s: float, margin: float) -> str:
     """``"async"`` when its step is at least ``margin`` (a fraction) shorter than the synchronous one."""
-    return "async" if async_s < none_s * (1.0 - margin) else "none"
+    return "async" if async_pays(none_s, async_s, margin) else "none"
 
 
 class OverlapTuner:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from trainer.comm import cost_model as cm
 from trainer.comm.names import METHOD_CHOICES, OVERLAP_CHOICES
+from trainer.scratch_pass import leaves_no_trace
 
 # bytes: the buffer of all_reduce / reduce_scatter, each rank's share of all_gather
 PROBE_SIZES = (64 << 10, 1 << 20, 4 << 20)
@@ -154,7 +155,6 @@ def measure_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, re
     HAZARD, CUDA: each timed call ends with a synchronize (on purpose: the host clock must cover the
     kernels); this runs once, before training."""
     ac = autocast or contextlib.nullcontext
-    saved = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     cuda = device is not None and device.type == "cuda"
 
     def forward() -> torch.Tensor:
@@ -166,16 +166,9 @@ def measure_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, re
         for p in model.parameters():
             p.grad = None  # the next rep allocates afresh, as a step after zero_grad(set_to_none) does
 
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        try:
-            fwd = timed(forward, reps, device=device)
-            total = timed(step, reps, device=device)
-        finally:
-            with torch.no_grad():
-                for name, buf in model.named_buffers():
-                    buf.copy_(saved[name])
-            for p in model.parameters():
-                p.grad = None
+    with torch.random.fork_rng(devices=[device] if cuda else []), leaves_no_trace(model):
+        fwd = timed(forward, reps, device=device)
+        total = timed(step, reps, device=device)
     share = min(1.0, max(0.0, 1.0 - fwd / total)) if total > 0 else 2 / 3
     return StepCompute(total, share)
 
@@ -217,9 +210,11 @@ class AutoChoice:
         preds = ", ".join(f"{r['method']} {1e3 * float(r['total']):.1f}" for r in self.rows)
 
         return (f"--comm auto: {self.method} (predicted ms per step for {self.d:,} gradient elements at "
-                f"density {self.rho:g} on {self.m} node(s) x {self.n} rank(s): {preds}; measured all_reduce "
-                f"bandwidth inter {_gbit(self.inter)}, intra {_gbit(self.intra)}; selection "
-                f"{1e9 * self.compute.select_s_per_elem:.2f} ns/element)")
+                f"density {self.rho:g} on {self.m} node(s) x {self.n} rank(s): {preds}; {self._measured()})")
+
+    def _measured(self) -> str:
+        return (f"measured all_reduce bandwidth inter {_gbit(self.inter)}, intra {_gbit(self.intra)}; "
+                f"selection {1e9 * self.compute.select_s_per_elem:.2f} ns/element")
 
     def _step_line(self) -> str:
         assert self.step is not None
@@ -232,9 +227,7 @@ class AutoChoice:
         return (f"--comm auto: {self.method} (predicted ms per step with {1e3 * self.step.seconds:.1f} ms of "
                 f"forward + backward measured ({100 * self.step.backward_share:.0f} % backward) and "
                 f"{self.pieces} bucket(s), by {ranked_by}, for {self.d:,} gradient elements at density "
-                f"{self.rho:g} on {self.m} node(s) x {self.n} rank(s): {preds}; measured all_reduce "
-                f"bandwidth inter {_gbit(self.inter)}, intra {_gbit(self.intra)}; selection "
-                f"{1e9 * self.compute.select_s_per_elem:.2f} ns/element)")
+                f"{self.rho:g} on {self.m} node(s) x {self.n} rank(s): {preds}; {self._measured()})")
 
     def overlap_line(self) -> str:
         """With ``--overlap auto``: the overlap mode the model leaves to run, and why ("" otherwise)."""
@@ -258,7 +251,7 @@ def _gbit(link: cm.LinkProfile) -> str:
 def choose_method(topo: Any, d: int, rho: float, *, fp16: bool = False, reps: int = 3,
                   sizes: Sequence[int] = PROBE_SIZES, device: torch.device | None = None,
                   methods: Sequence[str] = METHOD_CHOICES, step: StepCompute | None = None,
-                  overlap: str = "none", pieces: int = 1, margin: float = 0.03) -> AutoChoice:
+                  overlap: str = "none", pieces: int = 1, margin: float = cm.ASYNC_MARGIN) -> AutoChoice:
     """Measure (module docstring) and return the cheapest of ``methods`` for ``d`` gradient elements at
     density ``rho``: by predicted communication, or -- given the measured ``step`` -- by the predicted
     step in ``overlap`` mode with ``pieces`` buckets (and for ``overlap="auto"`` the mode to run,
