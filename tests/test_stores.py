@@ -3,13 +3,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import time
 
+import lmdb
 import numpy as np
 import pytest
 
 from datacache.config import ConfigError
 from datacache.record import decode_record, encode_record
-from datacache.stores import LMDBStore, MemoryStore, Store, open_store
+from datacache.stores import LMDBStore, MemoryStore, Store, lmdb_store, open_store
 
 
 def rec(i: int, side: int = 40) -> bytes:
@@ -129,3 +131,82 @@ def test_two_processes_write_overlapping_keys_with_map_growth(tmp_path) -> None:
     decoded = [decode_record(v, b"k%d" % i) for i, v in enumerate(vals)]
     assert all(d is not None and d[1] == i for i, d in enumerate(decoded))
     assert s.stats()["entries"] == 450
+
+
+def test_open_retries_only_the_open_grow_race() -> None:
+    """What ``lmdb.open`` raises when its first transaction loses to a grow is retried; nothing else is."""
+    def scripted(errors: list[Exception]):
+        calls: list[int] = []
+
+        def open_env() -> str:
+            calls.append(1)
+            if errors:
+                raise errors.pop(0)
+            return "env"
+        return open_env, calls
+
+    resized = lmdb.MapResizedError("mdb_txn_begin: MDB_MAP_RESIZED: Database contents grew")
+    einval = lmdb.InvalidParameterError("mdb_txn_begin: Invalid argument")
+    retries: list[int] = []
+    open_env, calls = scripted([resized, einval, resized])
+    assert lmdb_store._open_retrying(open_env, on_retry=lambda: retries.append(1)) == "env"
+    assert len(calls) == 4 and len(retries) == 3
+    for other in (lmdb.InvalidParameterError("mdb_env_set_mapsize: Invalid argument"),
+                  lmdb.ReadonlyError("mdb_env_open: Permission denied"), lmdb.CorruptedError("x")):
+        open_env, calls = scripted([other])
+        with pytest.raises(type(other)):
+            lmdb_store._open_retrying(open_env, on_retry=lambda: None)
+        assert len(calls) == 1  # a real failure is not retried
+    open_env, calls = scripted([resized] * 100)
+    with pytest.raises(lmdb.MapResizedError):
+        lmdb_store._open_retrying(open_env, on_retry=lambda: None)
+    assert len(calls) == lmdb_store._RACE_TRIES  # a race that never ends is given up, not spun on
+
+
+def _grower(path: str, seconds: float, q: mp.Queue) -> None:
+    """Another process that grows the map in small steps, committing between: the harshest growth."""
+    env = lmdb.open(path, map_size=64 << 10, max_dbs=0, max_spare_txns=0, sync=False)
+    grows = i = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            with env.begin(write=True) as txn:
+                txn.put(b"g%d" % i, b"x" * 16000)
+            i += 1
+            time.sleep(0.0002)
+        except lmdb.MapFullError:
+            env.set_mapsize(env.info()["map_size"] + (32 << 10))
+            grows += 1
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+    q.put(grows)
+
+
+def test_opening_and_reading_while_another_process_grows_the_map(tmp_path) -> None:
+    """Regression (CI, lmdb 1.4.1): py-lmdb begins a transaction inside ``lmdb.open``; a grow committed
+    between LMDB reading the map size and that transaction failed the open, and the write was lost."""
+    path = str(tmp_path / "grown")
+    LMDBStore(path, map_size=64 << 10).close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_grower, args=(path, 2.5, q))
+    p.start()
+    opens = retries = resized = 0
+    try:
+        time.sleep(0.3)  # let it start growing
+        while p.is_alive() and opens < 5000:
+            s = LMDBStore(path, map_size=64 << 10)
+            key = b"o%d" % opens
+            assert s.put_many([(key, rec(opens))]) == 1
+            assert s.get_many([key]) == [rec(opens)]
+            st = s.stats()
+            assert st["write_errors"] == 0 and st["read_errors"] == 0, st
+            opens += 1
+            retries += st.get("open_retries", 0)
+            resized += st["resized_seen"]
+            s.close()
+    finally:
+        grows = q.get(timeout=60)
+        p.join(60)
+    assert p.exitcode == 0 and grows > 100
+    assert opens > 50 and retries + resized >= 1, (opens, retries, resized)  # the race was really run

@@ -39,6 +39,10 @@ Map size
     whenever a write transaction hits ``MDB_MAP_FULL`` (the batch is retried), up to
     ``max_map_size`` (default: what the disk can hold). Another process that then begins a
     transaction gets ``MDB_MAP_RESIZED``; it adopts the new size (``set_mapsize(0)``) and retries.
+    Opening races the same way: py-lmdb begins a transaction inside ``lmdb.open`` (to open the
+    main database) after LMDB read the size from the file, so a writer that grows and commits in
+    between makes the open itself fail (``MDB_MAP_RESIZED``, or ``EINVAL`` from that first
+    ``mdb_txn_begin``); nothing has been written then, and the open is retried (:func:`_open_retrying`).
 
 Reads and writes
     ``get_many`` runs one read transaction per call and returns ``bytes`` copies (a ``buffers=True``
@@ -56,9 +60,11 @@ import errno
 import gc
 import logging
 import os
+import random
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -142,6 +148,34 @@ def _forget_inherited_path(path: str) -> None:
     _INHERITED_PATHS.discard(real)
 
 
+_RACE_TRIES = 16  # attempts at an open or a read that keeps losing to another process's growth
+
+
+def _open_race(exc: BaseException) -> bool:
+    """Did ``lmdb.open`` fail in its own first transaction because another process grew the map?"""
+    return isinstance(exc, lmdb.MapResizedError) or (
+        isinstance(exc, lmdb.InvalidParameterError) and str(exc).startswith("mdb_txn_begin"))
+
+
+def _race_pause(attempt: int) -> None:
+    """Back off before retrying a lost race: the writer's commit is over in microseconds, and a
+    random phase keeps a retry from meeting the same writer's next growth."""
+    time.sleep(min(0.001 * 2 ** attempt, 0.05) * (0.5 + random.random()))
+
+
+def _open_retrying(open_env: Callable[[], _T], on_retry: Callable[[], None]) -> _T:
+    """``open_env()``, retried while it loses the open/grow race (see the module docstring)."""
+    for attempt in range(_RACE_TRIES):
+        try:
+            return open_env()
+        except lmdb.Error as exc:
+            if not _open_race(exc) or attempt == _RACE_TRIES - 1:
+                raise
+            on_retry()
+            _race_pause(attempt)
+    raise AssertionError("unreachable")
+
+
 def _write_blocked(exc: BaseException) -> bool:
     """Whether opening read-write failed because the location cannot be written."""
     code = getattr(exc, "errno", None)
@@ -169,16 +203,18 @@ class LMDBStore(BaseStore):
     def _reset_process_state(self) -> None:
         super()._reset_process_state()
         self._shared: _SharedEnv | None = None
-        self._counters.update(grows=0, resized_seen=0)
+        self._counters.update(grows=0, resized_seen=0, open_retries=0)
 
     def _process_attrs(self) -> tuple[str, ...]:
         return (*super()._process_attrs(), "_shared")
 
     # ------------------------------------------------------------------- env
     def _open(self, readonly: bool, lock: bool = True) -> Any:
-        return lmdb.open(self.path, map_size=self.map_size, subdir=True, readonly=readonly, lock=lock,
-                         max_readers=self.max_readers, max_dbs=0, sync=self.sync, metasync=False,
-                         readahead=self.readahead, meminit=False, create=not readonly, max_spare_txns=0)
+        return _open_retrying(lambda: lmdb.open(
+            self.path, map_size=self.map_size, subdir=True, readonly=readonly, lock=lock,
+            max_readers=self.max_readers, max_dbs=0, sync=self.sync, metasync=False,
+            readahead=self.readahead, meminit=False, create=not readonly, max_spare_txns=0),
+            on_retry=lambda: self._count("open_retries"))
 
     def _open_shared(self) -> _SharedEnv:
         _forget_inherited_path(self.path)
@@ -234,13 +270,15 @@ class LMDBStore(BaseStore):
         shared = self._acquire()
         with shared.lock:
             env = shared.env
-            for _ in range(3):
+            for attempt in range(_RACE_TRIES):
                 try:
                     with env.begin(buffers=buffers) as txn:
                         return fn(txn)
                 except lmdb.MapResizedError:  # another process grew the map
                     self._count("resized_seen")
                     env.set_mapsize(0)
+                if attempt:  # it grew again between our adopting its size and our next begin
+                    _race_pause(attempt)
         raise lmdb.MapResizedError(f"{self.url}: map resized repeatedly during a read")
 
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
