@@ -13,7 +13,9 @@ size stays above what it holds (bench/results/NOTES.md#listing-memory, #daemon-m
 * :func:`decode_worker_heap` (first thing in each decode worker, forked from the tuned daemon): the
   workers' threshold goes back up to 32 MiB, the ceiling glibc's own threshold reaches, so a large
   image's decode buffers (9 MB for a 2000x1500 JPEG) are reused from the heap rather than mapped and
-  zeroed per image (a third slower, bench/results/NOTES.md#daemon-memory). Workers hold nothing long.
+  zeroed per image (a third slower, bench/results/NOTES.md#daemon-memory), and the freed top of the
+  heap is kept between chunks (:func:`datacache.heap.keep_freed_heap`) rather than faulted in again
+  for each. Workers hold nothing long.
 * :func:`release_free_heap` (after a pass that did work) asks glibc to return free heap pages.
 
 Hazard: both are glibc extensions reached through ``ctypes``; where glibc is missing (musl, macOS)
@@ -25,68 +27,50 @@ the decode pool's forked workers.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import os
 from typing import Any
+
+from datacache.heap import keep_freed_heap, libc, mallopt
 
 _TRIM: Any = None
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameters (glibc's malloc.h)
 ARENA_MAX = 2
 MMAP_THRESHOLD = 1 << 20
-WORKER_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-
-
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
 
 
 def _malloc_trim() -> Any:
     global _TRIM
     if _TRIM is None:
         try:
-            _TRIM = _libc().malloc_trim
+            _TRIM = libc().malloc_trim
             _TRIM.argtypes, _TRIM.restype = [ctypes.c_size_t], ctypes.c_int
         except AttributeError:  # not glibc (or no libc found): nothing to call
             _TRIM = False
     return _TRIM
 
 
-def _mallopt() -> Any:
-    try:
-        mallopt = _libc().mallopt
-    except AttributeError:
-        return None
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt
-
-
 def limit_heap_growth(env: dict[str, str] | None = None) -> dict[str, int]:
     """Set glibc's arena count and mmap threshold (module docstring); returns what was set (empty where
     glibc's ``mallopt`` is unavailable, without what the environment already sets)."""
     env = os.environ if env is None else env
-    mallopt = _mallopt()
-    if mallopt is None:
+    fn = mallopt()
+    if fn is None:
         return {}
     done: dict[str, int] = {}
     for name, param, value in (("MALLOC_ARENA_MAX", M_ARENA_MAX, ARENA_MAX),
                                ("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
-        if name not in env and mallopt(param, value) == 1:  # mallopt returns 1 on success
+        if name not in env and fn(param, value) == 1:  # mallopt returns 1 on success
             done[name] = value
     return done
 
 
 def decode_worker_heap(env: dict[str, str] | None = None) -> bool:
-    """In a decode worker: a fixed 32 MiB mmap threshold (module docstring); False where glibc's
-    ``mallopt`` is unavailable or ``MALLOC_MMAP_THRESHOLD_`` is set in the environment (it wins)."""
-    env = os.environ if env is None else env
-    mallopt = _mallopt()
-    if mallopt is None or "MALLOC_MMAP_THRESHOLD_" in env:
-        return False
-    return mallopt(M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD) == 1
+    """In a decode worker: a fixed 32 MiB mmap threshold and the freed heap top kept (module docstring,
+    :func:`datacache.heap.keep_freed_heap`); returns whether the threshold was set: False where glibc's
+    ``mallopt`` is unavailable or ``MALLOC_MMAP_THRESHOLD_`` is set in the environment (it wins; so
+    does ``MALLOC_TOP_PAD_``)."""
+    return "MALLOC_MMAP_THRESHOLD_" in keep_freed_heap(env=env)
 
 
 def release_free_heap() -> bool:

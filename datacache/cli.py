@@ -195,11 +195,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_warm(args: argparse.Namespace) -> int:
     from datacache.config import default_cache_url
+    from datacache.heap import keep_freed_heap
     from datacache.warm import warm_cache
 
     if args.via_daemon:
         return _register_with_daemon(args)
     cache = args.cache or default_cache_url()
+    # this process (the LMDB writer) and its decode pool (forked below: inherited) fill batch after batch
+    keep_freed_heap()
     rep = warm_cache(args.source, cache, workers=args.workers, short_side=args.short_side,
                      revalidate=args.revalidate, t1_dir=_t1_dir(args.t1_dir), t1_max_bytes=args.t1_max_bytes,
                      progress=not args.no_progress, record_key_file=args.record_key_file)
