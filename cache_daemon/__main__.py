@@ -98,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = tuple(DatasetSpec.from_dict({"source": s, "short_side": args.short_side}, "--dataset")
                       for s in args.dataset)
         cfg = replace(cfg, datasets=cfg.datasets + extra)
+        from datacache.heap import keep_switch
+
+        keep_switch(os.environ)  # DATACACHE_KEEP_FREED_HEAP, read by the decode workers (datacache.heap)
         if args.check:
             print(json.dumps(shown_config(cfg), indent=1, default=str))
             return 0

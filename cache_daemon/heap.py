@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 from datacache.heap import keep_freed_heap, libc, mallopt
+from datacache.options import ConfigError
 
 _TRIM: Any = None
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # mallopt parameters (glibc's malloc.h)
@@ -70,7 +71,13 @@ def decode_worker_heap(env: dict[str, str] | None = None) -> bool:
     :func:`datacache.heap.keep_freed_heap`); returns whether the threshold was set: False where glibc's
     ``mallopt`` is unavailable or ``MALLOC_MMAP_THRESHOLD_`` is set in the environment (it wins; so
     does ``MALLOC_TOP_PAD_``)."""
-    return "MALLOC_MMAP_THRESHOLD_" in keep_freed_heap(env=env)
+    # Process-pool boundary: this runs as the pool's initializer, where an exception would kill every
+    # worker as it starts (and Pool would fork replacements for ever); the daemon checked the switch
+    # at start (cache_daemon.__main__), so a bad value here can only mean "leave glibc as it is".
+    try:
+        return "MALLOC_MMAP_THRESHOLD_" in keep_freed_heap(env=env)
+    except ConfigError:
+        return False
 
 
 def release_free_heap() -> bool:

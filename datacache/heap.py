@@ -35,6 +35,8 @@ import ctypes.util
 import os
 from typing import Any
 
+from datacache.options import ConfigError
+
 M_TOP_PAD, M_MMAP_THRESHOLD = -2, -3  # mallopt parameters (glibc's malloc.h)
 FILL_TOP_PAD = 64 << 20  # a fill batch of 128 records at short side 256 and LMDB's copies of them
 FILL_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
@@ -62,6 +64,16 @@ def _from_environment(env: dict[str, str] | os._Environ[str], variable: str, tun
     return variable in env or f"glibc.malloc.{tunable}" in env.get("GLIBC_TUNABLES", "")
 
 
+def keep_switch(env: dict[str, str] | os._Environ[str]) -> bool:
+    """``DATACACHE_KEEP_FREED_HEAP`` (default 1); a ``ConfigError`` listing the valid values otherwise.
+    Checked where a command starts, before any pool forks (a worker's initializer must not raise)."""
+    switch = env.get("DATACACHE_KEEP_FREED_HEAP", "1")
+    if switch not in ("0", "1"):
+        raise ConfigError(f"DATACACHE_KEEP_FREED_HEAP={switch!r}: valid values are 1 (keep the memory a "
+                          "fill frees, the default) and 0 (leave glibc's allocator as it is)")
+    return switch == "1"
+
+
 def keep_freed_heap(nbytes: int = FILL_TOP_PAD, env: dict[str, str] | None = None) -> dict[str, int]:
     """Keep up to ``nbytes`` of freed memory in glibc's heap (module docstring); returns what was set,
     by environment variable name (empty where glibc's ``mallopt`` is unavailable; a setting the
@@ -69,12 +81,9 @@ def keep_freed_heap(nbytes: int = FILL_TOP_PAD, env: dict[str, str] | None = Non
     if not 0 <= nbytes < 2**31:
         raise ValueError(f"keep_freed_heap: nbytes must be in [0, 2 GiB) (a C int), got {nbytes}")
     env = os.environ if env is None else env
-    switch = env.get("DATACACHE_KEEP_FREED_HEAP", "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"DATACACHE_KEEP_FREED_HEAP={switch!r}: valid values are 1 (keep, the default) "
-                         "and 0 (leave glibc's allocator as it is)")
+    keep = keep_switch(env)
     fn = mallopt()
-    if fn is None or switch == "0":
+    if fn is None or not keep:
         return {}
     done: dict[str, int] = {}
     for name, tunable, param, value in (

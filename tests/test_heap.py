@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from datacache.config import ConfigError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.skipif(
@@ -108,8 +110,11 @@ def test_the_environment_wins_and_bad_sizes_are_refused() -> None:
     tunables = "glibc.malloc.arena_max=2:glibc.malloc.top_pad=0:glibc.malloc.mmap_threshold=131072"
     assert keep_freed_heap(env={"GLIBC_TUNABLES": tunables}) == {}
     assert keep_freed_heap(env={"DATACACHE_KEEP_FREED_HEAP": "0"}) == {}  # the opt-out
-    with pytest.raises(ValueError, match=r"DATACACHE_KEEP_FREED_HEAP='yes': valid values are 1 .* and 0"):
+    with pytest.raises(ConfigError, match=r"DATACACHE_KEEP_FREED_HEAP='yes': valid values are 1 .* and 0"):
         keep_freed_heap(env={"DATACACHE_KEEP_FREED_HEAP": "yes"})
+    from cache_daemon.heap import decode_worker_heap
+
+    assert decode_worker_heap(env={"DATACACHE_KEEP_FREED_HEAP": "yes"}) is False  # never raises in a worker
     for bad in (-1, 2**31):
         with pytest.raises(ValueError, match=r"nbytes must be in \[0, 2 GiB\)"):
             keep_freed_heap(bad, env={})
@@ -127,3 +132,15 @@ def test_datacache_warm_keeps_it_before_forking_its_pool(monkeypatch, small_imag
     assert cli.main(["warm", small_imagefolder, "--cache", f"lmdb://{tmp_path}/c", "--no-progress",
                      "--workers", "1"]) == 0
     assert order == ["kept", "fill"]
+
+
+@pytest.mark.parametrize(("command", "code"), [(["-m", "datacache.cli", "warm", "/nowhere"], 1),  # user error
+                                               (["-m", "cache_daemon", "--check"], 2)])  # config error
+def test_a_bad_switch_stops_the_command_in_one_line(command: list[str], code: int, tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATACACHE_")}
+    env.update(PYTHONPATH=REPO, DATACACHE_KEEP_FREED_HEAP="yes", DATACACHE_DAEMON_CACHE=f"lmdb://{tmp_path}/c")
+    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == code and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "DATACACHE_KEEP_FREED_HEAP='yes': valid values are 1" in line, line
