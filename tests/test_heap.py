@@ -94,7 +94,8 @@ def test_freed_memory_is_reused_batch_after_batch_not_faulted_in_again(tmp_path)
         assert min(ref["lmdb"][1:]) > pages and min(ref["worker"][1:]) > 0.5 * ref["worker"][0], ref
     # kept: the first batch faults the memory in, the later ones reuse it
     assert kept["lmdb"][0] > pages and max(kept["lmdb"][1:]) < 0.05 * pages, kept
-    assert max(kept["worker"][1:]) < 0.05 * kept["worker"][0], kept
+    # (its first chunk may already reuse what the LMDB batches freed: compared with a chunk's own faults)
+    assert max(kept["worker"][1:]) < 0.05 * plain["worker"][0], kept
 
 
 def test_the_daemons_decode_workers_keep_it_too(tmp_path) -> None:
