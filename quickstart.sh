@@ -92,7 +92,15 @@ case "$cmd" in
     # EXTRAS=dali adds DALI's CPU decoder tests (nvidia-dali-cuda120, ~1 GB installed; CI sets it)
     "$PY" -m pip install -q -e ".[test${EXTRAS:+,$EXTRAS}]"
     "$PY" -m ruff check .
-    exec "$PY" -m pytest -q "$@"
+    # in parallel (pytest-xdist; docs/internals.md, "The test suite"): DATACACHE_TEST_WORKERS workers
+    # (default 3: on 2 cores most tests wait on processes, servers and rendezvous), --dist loadgroup so
+    # the tests sharing a module-scoped server stay on one worker. Naming -n or -p no:xdist yourself
+    # (e.g. `./quickstart.sh test -p no:xdist` for a serial run) replaces this default.
+    par=(-n "${DATACACHE_TEST_WORKERS:-3}" --dist loadgroup)
+    for a in "$@"; do
+      case "$a" in -n|-n*|--numprocesses*|no:xdist|-pno:xdist) par=();; esac
+    done
+    exec "$PY" -m pytest -q "${par[@]}" "$@"
     ;;
   *)
     echo "usage: ./quickstart.sh demo|test|python [ARGS...]" >&2; exit 2;;

@@ -236,9 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics.jsonl)")
     a = ap.parse_args(argv)
     from bench.emucluster import EmuCluster, EmuConfig, EmuError, why_unavailable
-    from bench.loader import ensure_dataset
-    from bench.train import LATENCY_MS, MBPS
-    from trainer.cluster_model import ClusterAssumptions, model
 
     variants = [v for v in a.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
@@ -269,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench.e2e: cannot build the emulated cluster: {why}", file=sys.stderr)
         return 2
+    # torch comes with these: imported once the arguments are known to be good (a usage error is instant)
+    from bench.loader import ensure_dataset
+    from bench.train import LATENCY_MS, MBPS
+    from trainer.cluster_model import ClusterAssumptions, model
+
     machine = print_machine(machine_info())
     load_before = os.getloadavg()
     root = ensure_dataset(n_images)

@@ -14,16 +14,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from datacache.devtools.synth import make_imagefolder, write_bad_inputs
+from tests.shared_dirs import built_once
 
-pytest_plugins = ["tests.redis_utils"]  # real redis-server fixtures: redis_url, cluster_url, fresh_cluster
+# real redis-server fixtures (redis_url, cluster_url, fresh_cluster); how xdist spreads the suite
+pytest_plugins = ["tests.redis_utils", "tests.scheduling"]
 
 _GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _SESSION_HANDLERS = {sig: signal.getsignal(sig) for sig in _GUARDED_SIGNALS}
@@ -42,6 +47,41 @@ def _no_leaked_signal_handler() -> Iterator[None]:
     for sig in leaked:
         signal.signal(sig, before[sig])
     assert not leaked, f"the test left signal handlers installed: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group() -> Iterator[None]:
+    """A test that leaves torch.distributed's default process group initialised fails (and the group is
+    destroyed): the next test of the same process that initialises one would fail with "trying to
+    initialize the default process group twice" -- which test that is depends on how the suite was
+    split over workers. Only looked at where torch.distributed was already imported."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("the test left torch.distributed's default process group initialised "
+                    "(destroy_process_group() in a finally)")
+
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def in_process_training() -> Iterator[None]:
+    """For a test that calls ``trainer.run.train`` in the pytest process itself: by design train()
+    initialises (or reuses) a one-rank default process group and sets the torchrun variables, so that a
+    caller may train again; after the test both are undone, and no later test of this worker inherits
+    them (torn down before ``_no_leaked_process_group`` looks)."""
+    saved = {k: os.environ.get(k) for k in _TORCHRUN_VARS}
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
@@ -92,18 +132,23 @@ def bad_cases(_bad_build: tuple[str, dict[str, str]]) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def digits_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """scikit-learn's digits rendered as ``train``/``val`` ImageFolders of 32x32 PNGs (trainer.digits)
-    plus a warm LMDB cache URL holding both (short side 32). Read-only for tests. Needs scikit-learn
-    (in the test extra)."""
+    plus a warm LMDB cache URL holding both (short side 32), built once per test run for every worker
+    (tests/shared_dirs.py). Read-only for tests: a test that needs to change them copies them first.
+    Needs scikit-learn (in the test extra)."""
     from client.dataset import CachedImageNet
     from trainer.digits import render
 
-    base = tmp_path_factory.mktemp("digits")
-    split = render(str(base / "data"))
-    cache = "lmdb://" + str(base / "cache")
-    for root in (split.train, split.val):
-        ds = CachedImageNet(root, cache=cache, short_side=32)
-        ds.__getitems__(list(range(len(ds))))
-    return {"train": split.train, "val": split.val, "cache": cache}
+    def build(base: Path) -> None:
+        split = render(str(base / "data"))
+        cache = "lmdb://" + str(base / "cache")
+        for root in (split.train, split.val):
+            ds = CachedImageNet(root, cache=cache, short_side=32)
+            ds.__getitems__(list(range(len(ds))))
+        paths = {"train": split.train, "val": split.val, "cache": cache}
+        (base / "digits.json").write_text(json.dumps(paths))
+
+    base = built_once(tmp_path_factory, "digits", {"short_side": 32}, build)
+    return json.loads((base / "digits.json").read_text())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

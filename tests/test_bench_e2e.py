@@ -17,6 +17,10 @@ from bench.emucluster import why_unavailable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO}
 SKIP = why_unavailable()
+pytestmark = pytest.mark.netns  # the smoke run builds an emulated cluster
+# an upper bound that only catches a hang: the smoke run takes ~4 min alone on 2 cores, several times
+# that beside the rest of a parallel suite or a busy machine
+HANG_S = 2400
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -40,9 +44,11 @@ def test_bad_arguments_are_one_line_errors(args: list[str], words: list[str]) ->
 
 
 @pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")
+@pytest.mark.timeout(HANG_S + 300)
 def test_quick_smoke_on_the_emulated_cluster(tmp_path) -> None:
     r = _run(["--quick", "--epochs", "1", "--variants", "naive,cache_global_hitopk,cache_local_hitopk",
-              "--rates", "1,0.5=cache_local_hitopk+cache_global_hitopk", "--out", str(tmp_path)], timeout=300)
+              "--rates", "1,0.5=cache_local_hitopk+cache_global_hitopk", "--out", str(tmp_path)],
+             timeout=HANG_S)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     doc = json.loads((tmp_path / "e2e_quick.json").read_text())
     assert (tmp_path / "e2e_quick.png").stat().st_size > 0

@@ -16,6 +16,10 @@ from bench.emucluster import why_unavailable
 from bench.overlap import METHODS, analyse, r50_profile, r50_stack
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.netns  # the quick runs build an emulated cluster
+# an upper bound that only catches a hang: a quick run takes ~1.5 min alone on 2 cores, several times
+# that beside the rest of a parallel suite or a busy machine
+HANG_S = 1800
 
 
 def test_r50_stack_has_resnet50s_profile() -> None:
@@ -28,9 +32,10 @@ def test_r50_stack_has_resnet50s_profile() -> None:
 
 
 @pytest.mark.skipif(why_unavailable() is not None, reason=f"emulated cluster: {why_unavailable()}")
+@pytest.mark.timeout(HANG_S + 300)
 def test_quick_run_writes_every_ratio(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "bench.overlap", "--quick", "--results-dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((tmp_path / "overlap_quick.json").read_text())
     for m in METHODS:
@@ -53,7 +58,7 @@ def test_two_nodes_run_two_ranks_under_their_own_name(tmp_path: Path) -> None:
     under --name."""
     r = subprocess.run([sys.executable, "-m", "bench.overlap", "--quick", "--nodes", "2", "--methods",
                         "torus", "--name", "overlap_two", "--results-dir", str(tmp_path)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+                       cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((tmp_path / "overlap_two.json").read_text())
     assert doc["config"]["nodes"] == 2 and doc["ratios"]["overlap_torus_vs_sync"] > 0

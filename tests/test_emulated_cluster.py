@@ -34,7 +34,7 @@ from bench.emucluster import (
 from cache_daemon.daemon_config import load_config
 
 SKIP = why_unavailable()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.netns]
 IMAGES = 60
 
 
@@ -294,6 +294,7 @@ def _tags_now() -> set[str]:
     return {n.split("-")[1] for n in _ip("netns", "list").split() if n.startswith(PREFIX)}
 
 
+@pytest.mark.netns_exclusive  # compares or removes every emulated cluster of the machine
 def test_failure_during_up_tears_everything_down(tmp_path) -> None:
     # a daemon template with a typo'd key: namespaces, links, the 3 masters and the cluster are built,
     # then each daemon exits with its ConfigError; up must raise and remove everything it made
@@ -343,6 +344,7 @@ def test_ctrl_c_during_up_tears_everything_down(tmp_path) -> None:
     assert _leftovers(snap["tag"], pids) == [] and not state.exists()
 
 
+@pytest.mark.netns_exclusive  # compares or removes every emulated cluster of the machine
 def test_bad_input_is_one_clear_line(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": REPO}
     before = _tags_now()
@@ -362,6 +364,7 @@ def test_bad_input_is_one_clear_line(tmp_path) -> None:
     assert (foreign / "keep.txt").read_text() == "not ours" and _tags_now() == before
 
 
+@pytest.mark.netns_exclusive  # compares or removes every emulated cluster of the machine
 def test_cleanup_removes_leftovers_of_a_lost_state(tmp_path) -> None:
     c = EmuCluster(EmuConfig(state_dir=str(tmp_path / "state"), rate_gbit=None)).up()
     c.disarm()  # as if the process that ran up had died: only --cleanup can find it now

@@ -32,7 +32,8 @@ import pytest
 from bench.emucluster import REPO, EmuCluster, EmuConfig, why_unavailable
 
 SKIP = why_unavailable()
-pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.slow,
+              pytest.mark.netns]
 IMAGES = 120
 BATCH = 12  # global: 4 per rank on 3 nodes, 6 on 2
 PACE_S = 0.7
@@ -85,6 +86,7 @@ def _tails(logs: list[str]) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.timeout(1800)  # ~2 min alone; the waits inside bound each phase
 def test_a_lost_node_is_survived_and_its_return_grows_the_job(tmp_path) -> None:
     c = EmuCluster(EmuConfig(state_dir=str(tmp_path / "state"), rate_gbit=None, images=IMAGES, timeout=60))
     c.up()

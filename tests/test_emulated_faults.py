@@ -27,7 +27,7 @@ import pytest
 from bench.emucluster import REPO, STATE, EmuCluster, EmuConfig, EmuError, why_unavailable
 
 SKIP = why_unavailable()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.netns]
 IMAGES = 200
 LATENCY_MS = 80
 SHORT_SIDE = 64  # the daemons' variant (EmuConfig.short_side): the readers use the same one

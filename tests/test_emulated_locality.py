@@ -14,7 +14,8 @@ import pytest
 from bench.emucluster import EmuCluster, EmuConfig, why_unavailable
 
 SKIP = why_unavailable()
-pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.slow,
+              pytest.mark.netns]
 IMAGES = 60
 
 

@@ -17,7 +17,7 @@ import pytest
 from bench.emucluster import EmuCluster, EmuConfig, why_unavailable
 
 SKIP = why_unavailable()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}")
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.netns]
 
 _CLIENT = r"""
 import os, sys

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import multiprocessing as mp
+from typing import Any
 
 import numpy as np
 import pytest
@@ -101,10 +102,18 @@ def test_resume_mid_epoch_continues_exactly() -> None:
 
 
 class _Ids(torch.utils.data.Dataset):
+    """Index i is sample i; with ``fetched`` (a shared semaphore) every fetch releases it once, in
+    whichever worker process it happens."""
+
+    def __init__(self, fetched: Any = None) -> None:
+        self.fetched = fetched
+
     def __len__(self) -> int:
         return 10**6
 
     def __getitem__(self, i: int) -> int:
+        if self.fetched is not None:
+            self.fetched.release()
         return i
 
 
@@ -115,11 +124,15 @@ def test_state_counts_what_was_trained_not_what_the_loader_fetched() -> None:
     s = LocalitySampler(owners, ranks, rank=1, seed=2)
     s.set_epoch(0)
     order = list(s)
-    loader = torch.utils.data.DataLoader(_Ids(), batch_size=4, sampler=s, num_workers=2,
+    fetched = mp.get_context("spawn").Semaphore(0)
+    loader = torch.utils.data.DataLoader(_Ids(fetched), batch_size=4, sampler=s, num_workers=2,
                                          multiprocessing_context="spawn")
     it = iter(loader)
     first = next(it).tolist()
-    time.sleep(1.0)  # let the workers prefetch (prefetch_factor 2 x 2 workers = 4 batches ahead)
+    # the workers prefetch (prefetch_factor 2 x 2 workers = 4 batches ahead of the one consumed): wait
+    # until they have fetched all 5 batches, so the state below is taken with untrained samples fetched
+    for n in range(5 * 4):
+        assert fetched.acquire(timeout=60), f"the loader fetched {n} samples, not 20"
     s.mark_trained(len(first))
     state = s.state_dict()
     del it

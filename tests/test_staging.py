@@ -173,7 +173,8 @@ def test_prefetcher_refuses_an_unknown_staging() -> None:
         Prefetcher([], "cpu", DeviceAugment(), 8, staging="later")
 
 
-def test_trainer_prefetch_thread_equals_inline_bit_for_bit(digits_data, tmp_path) -> None:
+def test_trainer_prefetch_thread_equals_inline_bit_for_bit(digits_data, tmp_path,
+                                                           in_process_training) -> None:
     from trainer.run import train
     from trainer.train_config import make_config
 

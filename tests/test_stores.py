@@ -4,6 +4,7 @@ import multiprocessing as mp
 import os
 import pickle
 import time
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -163,12 +164,13 @@ def test_open_retries_only_the_open_grow_race() -> None:
     assert len(calls) == lmdb_store._RACE_TRIES  # a race that never ends is given up, not spun on
 
 
-def _grower(path: str, seconds: float, q: mp.Queue) -> None:
-    """Another process that grows the map in small steps, committing between: the harshest growth."""
+def _grower(path: str, stop: Any, grows: Any, started: Any) -> None:
+    """Another process that grows the map in small steps, committing between: the harshest growth. It
+    grows until told to stop, counting its grows where the test can read them."""
     env = lmdb.open(path, map_size=64 << 10, max_dbs=0, max_spare_txns=0, sync=False)
-    grows = i = 0
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    i = 0
+    started.set()
+    while not stop.is_set():
         try:
             with env.begin(write=True) as txn:
                 txn.put(b"g%d" % i, b"x" * 16000)
@@ -176,25 +178,30 @@ def _grower(path: str, seconds: float, q: mp.Queue) -> None:
             time.sleep(0.0002)
         except lmdb.MapFullError:
             env.set_mapsize(env.info()["map_size"] + (32 << 10))
-            grows += 1
+            with grows.get_lock():
+                grows.value += 1
         except lmdb.MapResizedError:
             env.set_mapsize(0)
-    q.put(grows)
 
 
 def test_opening_and_reading_while_another_process_grows_the_map(tmp_path) -> None:
     """Regression (CI, lmdb 1.4.1): py-lmdb begins a transaction inside ``lmdb.open``; a grow committed
-    between LMDB reading the map size and that transaction failed the open, and the write was lost."""
+    between LMDB reading the map size and that transaction failed the open, and the write was lost.
+    Counts events, not time: it runs until the grower has grown the map more than 100 times, this process
+    has opened more than 50 stores and met the race at least once (however slow a loaded machine makes
+    any of them), 120 s at most."""
     path = str(tmp_path / "grown")
     LMDBStore(path, map_size=64 << 10).close()
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_grower, args=(path, 2.5, q))
+    stop, started, grows = ctx.Event(), ctx.Event(), ctx.Value("i", 0)
+    p = ctx.Process(target=_grower, args=(path, stop, grows, started))
     p.start()
     opens = retries = resized = 0
+    deadline = time.monotonic() + 120  # an upper bound only
     try:
-        time.sleep(0.3)  # let it start growing
-        while p.is_alive() and opens < 5000:
+        assert started.wait(60), "the grower process did not start"
+        while p.is_alive() and (grows.value <= 100 or opens <= 50 or retries + resized < 1):
+            assert time.monotonic() < deadline, (grows.value, opens, retries, resized)
             s = LMDBStore(path, map_size=64 << 10)
             key = b"o%d" % opens
             assert s.put_many([(key, rec(opens))]) == 1
@@ -206,7 +213,7 @@ def test_opening_and_reading_while_another_process_grows_the_map(tmp_path) -> No
             resized += st["resized_seen"]
             s.close()
     finally:
-        grows = q.get(timeout=60)
+        stop.set()
         p.join(60)
-    assert p.exitcode == 0 and grows > 100
+    assert p.exitcode == 0 and grows.value > 100
     assert opens > 50 and retries + resized >= 1, (opens, retries, resized)  # the race was really run

@@ -19,6 +19,10 @@ import torch
 from tests.dist_utils import free_port, subprocess_env
 from trainer import checkpoint
 
+# upper bounds that only catch a hang: the bf16 run takes ~3 min alone on 2 cores, several times that
+# beside the rest of a parallel suite or a busy machine
+HANG_S = 1800
+
 
 def _records(out: str, event: str) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -37,7 +41,8 @@ def _digits_run(digits: dict, out: str, device: str, amp: str,
            "--optimizer", "lars", "--pto", "--lr", "2.0", "--trust-coefficient", "0.01",
            "--epochs", "4", "--checkpoint-every", "20",
            "--out", out, "--no-progress", *extra]
-    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=420)
+    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=HANG_S)
 
 
 def _stop_and_resume(digits: dict, tmp_path, device: str, amp: str) -> list[dict]:
@@ -60,12 +65,14 @@ def _stop_and_resume(digits: dict, tmp_path, device: str, amp: str) -> list[dict
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * HANG_S + 300)
 def test_the_same_run_on_the_cpu(digits_data: dict, tmp_path) -> None:
     """The CUDA test's flow with gloo and bf16 autocast: it proves the test where CI has no GPU."""
     _stop_and_resume(digits_data, tmp_path, "cpu", "bf16")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.timeout(2 * HANG_S + 300)
 def test_trainer_stops_and_resumes_on_one_gpu_with_fp16_amp(digits_data: dict, tmp_path) -> None:
     """Prefetcher streams, device augmentation, fp16 AMP + GradScaler, NCCL + HiTopK on the fp16 wire,
     LARS + PTO, a checkpoint and its resume: the whole GPU path of the trainer, trained to accuracy."""

@@ -138,8 +138,8 @@ def test_mid_epoch_resume_is_bit_exact_across_a_reshard(digits_data, fresh_clust
 
 
 @pytest.mark.slow
-def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(digits_data, tmp_path,
-                                                                              capsys) -> None:
+def test_local_without_a_cluster_is_a_plain_shuffle_and_resume_refuses_changes(digits_data, tmp_path, capsys,
+                                                                              in_process_training) -> None:
     from datacache.config import ConfigError
     from trainer.run import train
     from trainer.train_config import TrainConfig

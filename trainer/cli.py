@@ -137,20 +137,20 @@ def _explicit(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> None:
+    values = _explicit(args)
+    cfg = make_config(values.pop("recipe", "none"), **values)  # a usage error is told before torch loads
     from trainer.run import train
 
-    values = _explicit(args)
-    cfg = make_config(values.pop("recipe", "none"), **values)
     train(cfg)
 
 
 def _sweep(args: argparse.Namespace) -> None:
-    from trainer.distenv import init_distributed
-    from trainer.run import train
-
     values = _explicit(args)
     recipe = values.pop("recipe", "none")
     runs = grid_configs({**RECIPES[recipe], **values, "recipe": recipe}, args.grid)
+    from trainer.distenv import init_distributed
+    from trainer.run import train
+
     info = init_distributed(runs[0][1].device)
     rows = []
     for i, (label, cfg) in enumerate(runs):
@@ -222,9 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
+        dist = sys.modules.get("torch.distributed")  # never imported: no group to destroy, no torch to load
+        if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
 

@@ -159,6 +159,41 @@ def train_epoch(ctx: StepContext, loader: Iterable[Any], *, epoch: int, resoluti
 
 
 @torch.no_grad()
+def recalibrate_bn(model: nn.Module, loader: Iterable[Any], augment: DeviceAugment, device: torch.device,
+                   resolution: int, amp: Amp, prefetch: str = "inline") -> int:
+    """BatchNorm's running statistics recomputed from ``loader``'s batches (all of them), as
+    ``torch.optim.swa_utils.update_bn``: reset, then a cumulative average over the batches in training
+    mode, no gradients; with a process group, every rank's averages are then averaged over the ranks
+    (every rank must call this, with the same number of BatchNorm layers). ``model`` is the plain
+    module, not DDP (its forward would broadcast rank 0's buffers). Returns the batches seen here."""
+    bns = [m for m in model.modules()
+           if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    momenta = [m.momentum for m in bns]
+    was_training = model.training
+    seen = 0
+    try:
+        for m in bns:
+            m.reset_running_stats()
+            m.momentum = None  # None: the cumulative average of every batch, not an exponential one
+        model.train()
+        for x, _ in Prefetcher(loader, device, augment, resolution, staging=prefetch):
+            with amp.autocast():
+                model(x)
+            seen += 1
+    finally:
+        for m, momentum in zip(bns, momenta):
+            m.momentum = momentum
+        model.train(was_training)
+    if dist.is_initialized() and bns:
+        world = dist.get_world_size()
+        for m in bns:
+            for buf in (m.running_mean, m.running_var):
+                dist.all_reduce(buf)
+                buf.div_(world)
+    return seen
+
+
+@torch.no_grad()
 def validate(model: nn.Module, loader: Iterable[Any], augment: DeviceAugment, device: torch.device,
              resolution: int, amp: Amp, prefetch: str = "inline") -> dict[str, float]:
     """Top-1 / top-5 accuracy and mean loss over all ranks' shards (one all-reduce of the sums).

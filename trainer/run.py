@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import os
+import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ from trainer.data import DistributedBatchSampler, split_indices, train_loader, v
 from trainer.device_augment import DeviceAugment
 from trainer.distenv import DistInfo, init_distributed
 from trainer.epoch_rest import continue_epoch
-from trainer.loop import EpochStats, StepContext, drain, train_epoch, validate
+from trainer.loop import EpochStats, StepContext, drain, recalibrate_bn, train_epoch, validate
 from trainer.metrics import MetricsLog, epoch_line
 from trainer.rundir import RunLock, check_fresh_start
 from trainer.train_config import COMM_AUTO, TrainConfig
@@ -76,6 +77,19 @@ class Data:
     val: CachedImageNet
     train_idx: list[int]
     val_idx: list[int]
+
+
+def bn_recalibration_loader(cfg: TrainConfig, data: Data, res: int, world: int, rank: int, gbs: int,
+                            device: torch.device) -> Any:
+    """``--bn-recalibrate N``'s batches: N per rank of training images (centre crops as validation takes
+    them, no augmentation), a fixed sample drawn with the run's seed -- not the split's head, which an
+    ImageFolder orders by class."""
+    per_rank = max(1, gbs // world)
+    k = min(len(data.train_idx), cfg.bn_recalibrate * per_rank * world)
+    idx = sorted(random.Random(cfg.seed).sample(list(data.train_idx), k))
+    return val_loader(data.train, idx, res, world_size=world, rank=rank, batch_size=per_rank,
+                      workers=cfg.workers, crop_fraction=cfg.val_crop_fraction,
+                      pin_memory=device.type == "cuda")
 
 
 def open_data(cfg: TrainConfig, cache: str = "") -> Data:
@@ -396,6 +410,7 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
                  selector=selector)
     result = RunResult(model=model, resumed_from=path)
     val_loaders: dict[int, Any] = {}  # one persistent loader per resolution
+    bn_loaders: dict[int, Any] = {}  # --bn-recalibrate's, likewise
     overlap_said = False  # --overlap auto's decision, logged once after the epoch it came in
     for epoch in range(start_epoch, cfg.epochs):
         res = cfg.resolution_schedule.at(epoch)
@@ -444,8 +459,13 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
         if isinstance(sampler, locality.LocalityBatchSampler):
             rec["planned_local_fraction"] = sampler.local_fraction()
         if cfg.val_every and ((epoch + 1) % cfg.val_every == 0 or epoch + 1 == cfg.epochs) and data.val_idx:
-            for buf in model.buffers():  # every rank evaluates rank 0's BatchNorm statistics
-                dist.broadcast(buf, 0)
+            if cfg.bn_recalibrate:  # every rank evaluates the statistics all ranks recomputed
+                if res not in bn_loaders:
+                    bn_loaders[res] = bn_recalibration_loader(cfg, data, res, world, rank, gbs, device)
+                recalibrate_bn(model, bn_loaders[res], ctx.augment, device, res, amp, cfg.prefetch)
+            else:
+                for buf in model.buffers():  # every rank evaluates rank 0's BatchNorm statistics
+                    dist.broadcast(buf, 0)
             if res not in val_loaders:
                 val_loaders[res] = val_loader(data.val, data.val_idx, res, world_size=world, rank=rank,
                                               batch_size=max(1, gbs // world), workers=cfg.workers,

@@ -35,7 +35,7 @@ from typing import Any
 
 from datacache.config import ConfigError
 from trainer.comm.names import METHOD_CHOICES, OVERLAP_CHOICES, SELECTOR_CHOICES
-from trainer.models import MODEL_CHOICES
+from trainer.model_names import MODEL_CHOICES
 from trainer.schedule import DECAY_CHOICES, LR_SCALING_CHOICES, EpochSchedule, LRSchedule, positive_int
 from trainer.staging import STAGING_CHOICES
 
@@ -181,6 +181,10 @@ class TrainConfig:
     overwrite: bool = _f(False, "start a fresh run even if --out holds checkpoints (deletes them and "
                          "metrics.jsonl); without it such a start is refused", "run")
     val_every: int = _f(1, "validate every N epochs (0: never)", "run")
+    bn_recalibrate: int = _f(0, "before each validation, recompute BatchNorm's running statistics over N "
+                             "batches of training images (centre crops) per rank, averaged over the ranks, "
+                             "as torch.optim.swa_utils.update_bn does (0: off; the running averages of a "
+                             "young network lag its weights)", "run")
     progress: bool = _f(True, "progress bar on rank 0", "run")
     recipe: str = _f("none", "preset applied before the other flags", "run", RECIPE_CHOICES)
 
@@ -192,6 +196,7 @@ class TrainConfig:
                 raise ConfigError(f"{f.name}={value!r}; choose one of {', '.join(choices)}")
         positive = ("short_side", "width", "epochs", "lr_ref_batch")
         non_negative = ("workers", "steps_per_epoch", "checkpoint_every", "stop_at_step", "val_every",
+                        "bn_recalibrate",
                         "threads", "keep_checkpoints", "pad")
         for name in positive:
             if int(getattr(self, name)) < 1:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from trainer.model_names import MODEL_CHOICES
 from trainer.models.resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet50, small_resnet
-
-MODEL_CHOICES = ("resnet18", "resnet50", "small_resnet", "small_resnet_cifar")
 
 __all__ = ["MODEL_CHOICES", "BasicBlock", "Bottleneck", "ResNet", "build_model", "resnet18", "resnet50",
            "small_resnet"]
