@@ -110,19 +110,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     def seconds(unit: list[pytest.Item]) -> float:
         return sum(_expected(durations, it.nodeid) for it in unit)
 
-    lane = [unit for key, unit in units.items() if key in own and seconds(unit) >= HEAVY_S]
+    # (lists, not sets, where order matters: every worker must compute the same order, and a set of
+    # strings iterates in an order that differs between processes)
+    lane_keys = [key for key, unit in units.items() if key in own and seconds(unit) >= HEAVY_S]
     for key, unit in units.items():
-        if key in own and key.startswith("group:") and unit not in lane:
-            for item in unit:
-                item.add_marker(pytest.mark.xdist_group(key[len("group:"):]))
-    # the lane's units stay whole (a module's shared fixture is still built once) and longest first
-    for unit in sorted(lane, key=seconds, reverse=True):
+        if key in lane_keys:
+            name = HEAVY_LANE  # the lane's units stay whole: a module's shared fixture is still built once
+        elif key in own and key.startswith("group:"):
+            name = key[len("group:"):]
+        else:
+            continue
         for item in unit:
-            item.add_marker(pytest.mark.xdist_group(HEAVY_LANE))
-    ordered = sorted((u for u in units.values() if not any(u is v for v in lane)), key=seconds, reverse=True)
-    if lane:
-        # the lane is one unit to xdist, sent first: its worker starts on it at once
-        ordered.insert(0, [it for unit in sorted(lane, key=seconds, reverse=True) for it in unit])
+            item.add_marker(pytest.mark.xdist_group(name))
+    ordered = sorted((u for k, u in units.items() if k not in lane_keys), key=seconds, reverse=True)
+    if lane_keys:
+        # the lane is one unit to xdist, longest first inside, sent first: its worker starts on it at once
+        lane = sorted((units[k] for k in lane_keys), key=seconds, reverse=True)
+        ordered.insert(0, [it for unit in lane for it in unit])
     # sorted() is stable and every worker collects the same items: every worker computes this order
     items[:] = [it for unit in ordered for it in unit]
 
