@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     lmdb_dir = os.path.join(user_cache_dir(), "datacache", "bench", "cluster-lmdb")
     shutil.rmtree(lmdb_dir, ignore_errors=True)
     cluster = start_cluster(os.path.join(tmp, "cluster"), 3)
-    url, lmdb = cluster.url, "lmdb://" + lmdb_dir
+    # the bench's own cluster, private to it: its clients write back (?write_back=1), so a cold epoch
+    # fills it as the sweep's run 1; on a shared cluster the daemons fill (trainers read, daemons write)
+    url, lmdb = P.client_url(cluster), "lmdb://" + lmdb_dir
     res: dict[str, Any] = {"cluster": url}
     notes = [f"{os.cpu_count()} cores shared by the 3 redis-servers, the loader workers and other jobs on "
              "this machine: absolute numbers are noisy, ratios are measured side by side"]

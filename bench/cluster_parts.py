@@ -218,7 +218,7 @@ def daemon_fill(root: str, url: str, decoder: Any, workers: int, latency_ms: flo
     src = f"slowfile://{root}?latency_ms={latency_ms:g}&mbps={mbps:g}"
     man = Manifest.build(src)
     spec = parse_cache_url(url)
-    reader = ReadThrough(man, Variant(short_side=160), spec, t1_dir=None)
+    reader = ReadThrough(man, Variant(short_side=160), spec, t1_dir=None, writer=True)
     store = open_store(spec.tiers[0])
     rep = fill_missing(reader, range(len(man)), workers=workers, decoder=decoder, progress=False, store=store,
                        store_spec=spec.tiers[0])  # the pool workers write to Redis themselves
@@ -255,6 +255,12 @@ print(json.dumps({{"setup_s": setup, "epochs": out}}))
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def client_url(cluster: Any) -> str:
+    """The cluster's URL for this bench's clients: a private cluster, so they write back
+    (``?write_back=1``); on a shared one the daemons fill and trainers only read."""
+    return cluster.url + ("&" if "?" in cluster.url else "?") + "write_back=1"
+
+
 # ------------------------------------------------------------------ MinIO vs LRU at 50 % capacity
 def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epochs: int = 3
                      ) -> dict[str, Any]:
@@ -263,7 +269,7 @@ def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epoc
 
     flush_cluster(cluster)
     short = 64  # small records: the policy, not the bandwidth, is measured here
-    ds = CachedImageNet(root, cache=cluster.url, short_side=short, t1_dir=None)
+    ds = CachedImageNet(root, cache=client_url(cluster), short_side=short, t1_dir=None)
     n = len(ds)
     # record size of this variant, measured on a real sample, then Redis's per-key cost (datacache.plan)
     from datacache.plan import redis_bytes_per_key
@@ -277,7 +283,7 @@ def policy_hit_ratio(cluster: Any, root: str, policy: str, fraction: float, epoc
         base = int(c.info("memory")["used_memory"])
         c.config_set("maxmemory", int(base + fraction * n * per_key / len(clients)))
         c.config_set("maxmemory-policy", policy)
-    ds = CachedImageNet(root, cache=cluster.url, short_side=short, t1_dir=None)
+    ds = CachedImageNet(root, cache=client_url(cluster), short_side=short, t1_dir=None)
     ratios = []
     for e in range(epochs):
         ds.reset_stats()

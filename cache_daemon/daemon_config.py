@@ -21,6 +21,8 @@ Example (``deploy/daemon.toml`` is the documented template)::
     api_token_file = "/etc/datacache/api-token"  # or api_token = "..."; needed for POST/DELETE /datasets
     allowed_sources = ["/mnt/nfs/imagenet"]      # URL prefixes that POST /datasets may register from
     max_registrations = 16                       # registrations kept in Redis at most
+    max_list_bytes = "1GiB"                      # a .txt/.csv file list: read at most this (every pass)
+    max_list_lines = 33554432                    # ... and at most this many lines
     record_key_file = "/etc/datacache/record-key"  # optional: keyed MAC on records (trainers use the same)
 
     [[datasets]]
@@ -50,6 +52,7 @@ from typing import Any
 
 from datacache.cacheurl import parse_cache_url
 from datacache.config import ConfigError, Variant
+from datacache.filelist import MAX_LIST_BYTES, MAX_LIST_LINES, ListLimits, list_limits_problem
 from datacache.options import choice, parse_hostport, parse_size
 from datacache.redact import redact, register_secret
 from datacache.secretfile import read_secret_file
@@ -174,6 +177,9 @@ class DaemonConfig:
     record_key_file: str = ""  # secret for the records' keyed MAC (datacache.record); "" = unkeyed xxh3
     allowed_sources: tuple[str, ...] = ()
     max_registrations: int = 16
+    # every read of a .txt/.csv list (POST /datasets, each pass): datacache.filelist.ListLimits
+    max_list_bytes: int = field(default=MAX_LIST_BYTES, metadata=BYTES)
+    max_list_lines: int = MAX_LIST_LINES
     datasets: tuple[DatasetSpec, ...] = ()
 
     def __post_init__(self) -> None:
@@ -207,6 +213,9 @@ class DaemonConfig:
         if not 1 <= self.max_registrations <= MAX_REGISTRATIONS_MAX:
             raise ConfigError(f"daemon config: key 'max_registrations' must be in "
                               f"1..{MAX_REGISTRATIONS_MAX}, got {self.max_registrations}")
+        why = list_limits_problem(self.max_list_bytes, self.max_list_lines)
+        if why:
+            raise ConfigError(f"daemon config: key {why} (a .txt/.csv list larger than this is refused)")
         for name in ("node", "http_host"):
             if not getattr(self, name).strip():
                 raise ConfigError(f"daemon config: key {name!r} must be a non-empty string")
@@ -250,6 +259,11 @@ class DaemonConfig:
                 load_record_key(self.record_key_file)
             except ConfigError as e:
                 raise ConfigError(f"daemon config: key 'record_key_file': {e}") from None
+
+
+def list_limits(cfg: DaemonConfig) -> ListLimits:
+    """The bounds of every read of a file list by this daemon (registration and each pass alike)."""
+    return ListLimits(cfg.max_list_bytes, cfg.max_list_lines)
 
 
 def _refuse_placeholder_password(cache: str) -> None:

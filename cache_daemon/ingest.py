@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_daemon.daemon_config import DaemonConfig, DatasetSpec
+from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, list_limits
 from cache_daemon.decoders import variant_for
 from cache_daemon.ownership import Owned, owned_indices
 from cache_daemon.presence import Stamp, take_stamp
@@ -49,7 +49,7 @@ from datacache.cacheurl import parse_cache_url
 from datacache.confine import redirect_guard_options
 from datacache.decodepool import DecodePool, WorkerLost
 from datacache.fillstatus import report_fill
-from datacache.manifest import LIST_EXTENSIONS, Manifest
+from datacache.manifest import LIST_EXTENSIONS, ListLimits, Manifest
 from datacache.quarantine_summary import QuarantineSummary
 from datacache.readthrough import ReadThrough, manifest_dir_for
 from datacache.redact import redact, redact_text
@@ -67,6 +67,9 @@ class PassMemo:
     owned: Owned | None = None  # the last pass's ownership answer (reused while slots are unchanged)
     # (stamp, prefix, ownership digest, monotonic time) of the last pass that found nothing missing
     verified: tuple[Stamp, bytes, bytes, float] | None = None
+    # quarantine keys of files THIS daemon failed to decode (across passes): an entry found in the store
+    # counts as done only when it is here, so a forged or stale entry is re-checked by one decode
+    bad_checked: set[bytes] = field(default_factory=set)
 
 
 @dataclass
@@ -201,10 +204,10 @@ def _prepare(cfg: DaemonConfig, state: DatasetState, store: Any, decoder: Any,
     persist = manifest_dir_for(spec)
     allow = confine_for(cfg, state)  # listing: HTTP redirects followed only under these
     if state.memo.manifest is None:
-        list_in_child(state.spec, persist, stop, allow=allow)  # the first listing: see list_in_child
+        list_in_child(state.spec, persist, stop, allow=allow, limits=list_limits(cfg))  # see list_in_child
     # the previous pass's manifest is revalidated in memory: no re-read of the persisted copy
     man = Manifest.build(state.spec.source, persist_dir=persist, revalidate=state.spec.revalidate,
-                         reuse=state.memo.manifest,
+                         reuse=state.memo.manifest, list_limits=list_limits(cfg),
                          storage_options=redirect_guard_options(state.spec.source, allow=allow))
     state.memo.manifest = man
     variant = variant_for(state.spec.variant(), decoder)  # the decoder's family: keys never mix
@@ -212,7 +215,8 @@ def _prepare(cfg: DaemonConfig, state: DatasetState, store: Any, decoder: Any,
     reader = ReadThrough(man, variant, spec, t1_dir=None if cfg.t1_dir == "none" else cfg.t1_dir,
                          t1_max_bytes=cfg.t1_max_bytes or None,
                          record_key_file=cfg.record_key_file or None,  # MACs records and quarantine
-                         confine=confine_for(cfg, state, man.root))  # every file, every read
+                         confine=confine_for(cfg, state, man.root),  # every file, every read
+                         writer=True, verified_bad=state.memo.bad_checked)
     state.fingerprint, state.total = man.fingerprint, len(man)
     own = owned_indices(cfg, store, reader.prefix, len(man), state.memo.owned)
     state.memo.owned = own
@@ -314,11 +318,12 @@ def _settle(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, rep
     state.status = status
 
 
-LIST_CODE = ("import sys\nfrom datacache.manifest import Manifest\n"
+LIST_CODE = ("import sys\nfrom datacache.manifest import ListLimits, Manifest\n"
              "from datacache.confine import redirect_guard_options\n"
-             "opts = redirect_guard_options(sys.argv[1], allow=sys.argv[4:] or None)\n"
+             "opts = redirect_guard_options(sys.argv[1], allow=sys.argv[6:] or None)\n"
              "Manifest.build(sys.argv[1], persist_dir=sys.argv[2], revalidate=sys.argv[3],\n"
-             "               storage_options=opts)\n")
+             "               storage_options=opts,\n"
+             "               list_limits=ListLimits(int(sys.argv[4]), int(sys.argv[5])))\n")
 
 
 def confine_for(cfg: DaemonConfig, state: DatasetState, root: str | None = None) -> tuple[str, ...]:
@@ -337,7 +342,7 @@ def confine_for(cfg: DaemonConfig, state: DatasetState, root: str | None = None)
 
 
 def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event,
-                  allow: Sequence[str] = ()) -> bool:
+                  allow: Sequence[str] = (), limits: ListLimits | None = None) -> bool:
     """List (or revalidate) ``spec``'s source in a short-lived child process that persists the manifest,
     so this long-lived daemon only *loads* it. Listing in-process churns through ~1 KB of short-lived
     fsspec objects per file and leaves tens of MB more resident than the manifest at ImageNet scale for
@@ -349,7 +354,9 @@ def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event,
     threads); the child is killed when ``stop`` is set (SIGTERM of the daemon), and its output is kept
     only for the log (never file contents: the listing reads names and sizes only)."""
     # allow: where HTTP redirects may lead (datacache.confine.redirect_guard_options; () = under the source)
-    cmd = [sys.executable, "-c", LIST_CODE, spec.source, persist_dir, spec.revalidate, *allow]
+    lim = limits or ListLimits()  # a file list: the same bounds as the daemon's own listing
+    cmd = [sys.executable, "-c", LIST_CODE, spec.source, persist_dir, spec.revalidate, str(lim.max_bytes),
+           str(lim.max_lines), *allow]
     # stderr to a file, not a pipe: a child writing more than a pipe holds would block while we wait
     with tempfile.TemporaryFile() as errf:
         try:

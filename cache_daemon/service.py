@@ -165,7 +165,8 @@ class Daemon:
                                   f"({', '.join(redact(p) for p in self.cfg.allowed_sources)})")
         try:  # a .txt/.csv list (allowed by now) is read and checked line by line: 400 naming the line
             validate_file_list(spec.source, storage_options=redirect_guard_options(
-                spec.source, allow=self.cfg.allowed_sources))
+                spec.source, allow=self.cfg.allowed_sources), max_bytes=self.cfg.max_list_bytes,
+                max_lines=self.cfg.max_list_lines)  # the limits of each pass too (ingest.list_limits)
         except ManifestError as e:
             raise ConfigError(f"POST /datasets: {e}") from None
         register(self.store, spec, max_registrations=self.cfg.max_registrations)

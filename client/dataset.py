@@ -9,7 +9,9 @@ listed in the class docstring.
 
 Everything about where a sample comes from -- keys, tiers, bad records, the fill from T1/T0,
 write-back and remembered bad files -- is :class:`datacache.readthrough.ReadThrough`, shared with
-``datacache warm`` and the cache daemon. This class adds what torch needs:
+``datacache warm`` and the cache daemon. This class is a *reader*: trainers read, daemons write, so a
+shared (Redis) tier is never written from here unless its URL says ``?write_back=1``; the embedded LMDB
+is. This class adds what torch needs:
 
 * ``__getitems__`` (DataLoader calls it with the whole batch): one ``ReadThrough.load_many`` per
   batch; each hit is handed on as the ``output`` mode says: ``"tensor"`` -- a ``uint8 [3, H, W]`` tensor

@@ -5,7 +5,9 @@ Writes one random password per role (:mod:`datacache.redis_roles`) into ``DIR``:
 * ``admin.pass``, ``datacache-daemon.pass``, ``datacache.pass`` -- 256-bit random (``secrets``), created
   mode 0600 (the umask is set before the file exists, never a chmod after it), in a directory created
   mode 0700. Existing ones are REUSED, never overwritten (a re-run is idempotent); one that is empty,
-  short, a placeholder or readable by group/others is refused with the file named.
+  short, a placeholder, readable by group/others or owned by another user is refused with the file
+  named, and so is an existing DIR that is another user's or writable by group/others
+  (:mod:`datacache.ownership`): whoever can write there could choose the passwords we would reuse.
 * ``users.acl`` (0600) -- the ACL lines with SHA-256 hashes (``user default off`` + one line per role):
   paste them over the placeholder lines of ``deploy/redis/redis.conf``, or delete those lines and point
   Redis at the file (``aclfile DIR/users.acl``).
@@ -27,6 +29,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 
+from datacache.ownership import dir_problem, secret_stat_problem
 from datacache.redis_roles import (
     ADMIN,
     DAEMON,
@@ -82,6 +85,10 @@ def _read_private(path: str) -> str:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise RolesError(f"{path}: not a regular file; remove it to generate a new one")
+        if st.st_uid != os.geteuid():  # another user's file: that user chose (and knows) the password
+            why = secret_stat_problem(st, allow_root_group=False)
+            raise RolesError(f"{path}: {why}; a password file must be yours and mode 0600: remove it to "
+                             "generate a new one (or `chown` it to you after checking who wrote it)")
         if st.st_mode & 0o077:
             raise RolesError(f"{path}: readable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
                              "a password file must be mode 0600: `chmod 600` it after checking who read it, "
@@ -99,11 +106,15 @@ def _read_private(path: str) -> str:
 
 
 def ensure_passwords(directory: str) -> Secrets:
-    """Reuse or create one password file per role in ``directory`` (created 0700 when missing)."""
+    """Reuse or create one password file per role in ``directory`` (created 0700 when missing). An
+    existing directory must be this user's and not writable by group or others (RolesError, one line):
+    whoever can write into it can plant the passwords we would reuse."""
     out = Secrets(os.path.abspath(directory), {})
-    if not os.path.isdir(out.dir):
-        if os.path.lexists(out.dir):
-            raise RolesError(f"{out.dir}: exists and is not a directory")
+    if os.path.lexists(out.dir):
+        why = dir_problem(out.dir, what="secrets directory")
+        if why:
+            raise RolesError(why)
+    else:
         old = os.umask(0o077)  # see _create_private: process-wide, restored at once
         try:
             os.makedirs(out.dir, mode=0o700)

@@ -12,11 +12,14 @@ Sources (walked by :mod:`datacache.listing`)
     * a **file list** (``.txt`` / ``.csv``): one ``relpath`` or ``relpath,label`` per line, relative
       to the list's directory (``#`` comments and a ``path,label`` header are skipped). Without labels
       the class is the first path component; integer labels are used as given; other labels are
-      class names indexed by sorted name. Missing files are counted in ``ignored["missing"]``.
+      class names indexed by sorted name. Missing files are counted in ``ignored["missing"]`` and
+      logged as one warning per listing (the count and the first few lines).
       ``root`` is then the list's directory and ``listed`` the list file itself. An entry that is
       absolute (``/x``, ``C:\\x``), a URL, climbs (a ``..`` segment) or holds a NUL or a backslash, and a
       numeric label that is negative or not below ``max(rows, 65536)``, is a :class:`ManifestError`
-      naming the list's line (never its text: :func:`datacache.filelist.list_entry_problem`).
+      naming the list's line (never its text: :func:`datacache.filelist.list_entry_problem`). Every read
+      of a list is bounded (:class:`~datacache.filelist.ListLimits`: 1 GiB, 33,554,432 lines, 8,192
+      characters an entry line) and streamed; the rows are kept compact while the list is read.
 
 Memory of a listing
     Class folders are listed concurrently, but each folder's fsspec info dicts (~1 KB per file) are
@@ -77,7 +80,7 @@ import numpy as np
 import xxhash
 
 from datacache.columns import ArrayView, PackedStrings
-from datacache.filelist import list_file, validate_file_list
+from datacache.filelist import ListLimits, list_file, validate_file_list
 from datacache.listing import (
     IMG_EXTENSIONS,
     LIST_EXTENSIONS,
@@ -90,7 +93,7 @@ from datacache.listing import (
     open_source_fs,
 )
 
-__all__ = ["IMG_EXTENSIONS", "REVALIDATE_CHOICES", "Manifest", "ManifestError", "is_image",
+__all__ = ["IMG_EXTENSIONS", "REVALIDATE_CHOICES", "ListLimits", "Manifest", "ManifestError", "is_image",
            "validate_file_list"]
 
 log = logging.getLogger("datacache.manifest")
@@ -200,8 +203,12 @@ class Manifest:
     # ------------------------------------------------------------------ build
     @classmethod
     def build(cls, source: str, *, storage_options: dict | None = None, persist_dir: str | None = None,
-              revalidate: str = "dirs", workers: int = 32, reuse: Manifest | None = None) -> Manifest:
+              revalidate: str = "dirs", workers: int = 32, reuse: Manifest | None = None,
+              list_limits: ListLimits | None = None) -> Manifest:
         """List ``source`` (ImageFolder tree or .txt/.csv list), reusing a persisted copy when valid.
+
+        ``list_limits``: how much of a .txt/.csv list is read (default :class:`ListLimits`: 1 GiB,
+        33,554,432 lines), on the first listing and on every re-listing alike.
 
         ``reuse``: a manifest of the same source already in memory (the cache daemon's, between its
         passes): revalidated instead of reading the persisted copy again, which at ImageNet scale costs
@@ -225,7 +232,7 @@ class Manifest:
             old = cls._try_load(saved_path, url)
         if old is not None:
             listed_at = old.listed_at
-            man = old._revalidated(fs, path, revalidate, workers)
+            man = old._revalidated(fs, path, revalidate, workers, list_limits)
             if man is old:
                 (log.debug if old is reuse else log.info)(
                     "manifest %s: reusing %s (%d files, revalidate=%s)", url,
@@ -235,7 +242,7 @@ class Manifest:
                         old.save(saved_path)
                 return old
         if man is None:
-            man = cls._list(fs, path, url, info, workers)
+            man = cls._list(fs, path, url, info, workers, list_limits)
         if not len(man):
             raise ManifestError(f"{url}: no images found (extensions {', '.join(IMG_EXTENSIONS)}; "
                                 f"ignored: {man.ignored}); check the layout root/<class>/<image>")
@@ -248,19 +255,21 @@ class Manifest:
         return man
 
     @classmethod
-    def _list(cls, fs: fsspec.AbstractFileSystem, path: str, url: str, info: dict, workers: int) -> Manifest:
+    def _list(cls, fs: fsspec.AbstractFileSystem, path: str, url: str, info: dict, workers: int,
+              list_limits: ListLimits | None = None) -> Manifest:
         if info.get("type") == "directory":
             return cls.from_lists(url, list_folder(fs, path, url, workers=workers), kind="folder")
         if path.lower().endswith(LIST_EXTENSIONS):
             # root = the directory the listed paths are relative to, so Source(root).read(path) works
             return cls.from_lists(fs.unstrip_protocol(posixpath.dirname(path)),
-                                  list_file(fs, path, url, info, workers=workers), kind="list", listed=url)
+                                  list_file(fs, path, url, info, workers=workers, limits=list_limits),
+                                  kind="list", listed=url)
         raise ManifestError(f"{url}: not a directory nor a .txt/.csv file list; pass an ImageFolder "
                             "root directory or a file list")
 
     # ------------------------------------------------------------ revalidate
-    def _revalidated(self, fs: fsspec.AbstractFileSystem, path: str, mode: str,
-                     workers: int) -> Manifest | None:
+    def _revalidated(self, fs: fsspec.AbstractFileSystem, path: str, mode: str, workers: int,
+                     list_limits: ListLimits | None = None) -> Manifest | None:
         """``self`` when still valid under ``mode``; the fresh listing when ``full`` re-listed a changed
         dataset (never listed twice); None when the dataset must be re-listed."""
         if mode == "none":
@@ -286,7 +295,7 @@ class Manifest:
                 self.listed_at = start
             return self
         # "full" (or no usable directory mtimes): re-list and compare fingerprints
-        listed = self._list(fs, path, self.listed, fs.info(path), workers)
+        listed = self._list(fs, path, self.listed, fs.info(path), workers, list_limits)
         return self if listed.fingerprint == self.fingerprint else listed
 
     def _dir_url(self, path: str, key: str) -> str:

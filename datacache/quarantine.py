@@ -11,7 +11,9 @@ msgpack map ``{path, id, reason}``, untrusted input like any cache value: parsed
 (:class:`~datacache.record.RecordKey`, ``record_key_file``) the map also carries ``mac``, a keyed
 BLAKE2b over the storage key, the path, the identity and the reason: a keyed reader ignores an entry
 without the right MAC (the sample is then decoded normally and a genuinely bad file's entry is
-rewritten), and an unkeyed reader ignores MAC'd entries.
+rewritten); an unkeyed reader (a trainer: only writers can write entries) reads it without checking
+the MAC. A writer never trusts an entry it did not verify itself
+(:meth:`datacache.readthrough.ReadThrough.trusted_bad`).
 
 Reasons carry no file content (docs/using-the-cache.md "Bad input"): every reason made here or in
 :mod:`datacache.decode` / :mod:`datacache.fill` is the exception's *type* and a fixed message (sizes and
@@ -110,8 +112,9 @@ def parse_quarantine(value: Any, path: str, identity: str, *, qkey: bytes = b"",
     try:
         d = msgpack.unpackb(bytes(value), raw=False, max_str_len=_MAX_VALUE_STR, max_bin_len=MAC_BYTES,
                             max_array_len=0, max_map_len=8, max_ext_len=0)
-        if not isinstance(d, dict) or set(d) != ({"path", "id", "reason"} if record_key is None
-                                                 else {"path", "id", "reason", "mac"}):
+        fields = set(d) if isinstance(d, dict) else set()
+        if not (fields == {"path", "id", "reason", "mac"}
+                or (record_key is None and fields == {"path", "id", "reason"})):
             return None
         reason = d["reason"]
         if not isinstance(reason, str) or d["path"] != path or d["id"] != identity:

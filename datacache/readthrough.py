@@ -9,16 +9,27 @@ the cache daemon use, so there is one rule for hits, misses, bad records and bad
    (encoding, RGB, the variant's geometry), with the manifest's label -- and, with a record key
    (``record_key_file``), the right keyed MAC -- is a hit (a zero-copy numpy view of the returned
    buffer). Anything else (absent, truncated, bit-flipped, poisoned, forged, under another key) is a
-   miss; a bad record is counted ``t2_invalid`` and rewritten with ``overwrite=True``. Values are
-   never unpickled, and decoding a value never raises.
+   miss; a bad record is counted ``t2_invalid`` and rewritten with ``overwrite=True`` (by a writer).
+   Values are never unpickled, and decoding a value never raises.
 2. **Known-bad files**: this process's quarantine first, then the decode failures remembered in
    the store (:mod:`datacache.quarantine`; with a record key only entries with its MAC count). An
    entry that is present but invalid is replaced (``overwrite=True``) if the file really is bad.
 3. **Fill**: the file bytes come from T1/T0 (``Source.read_many``: concurrent), are decoded to the
    variant (:func:`~datacache.fill.fill_one`; with ``threads > 1`` several decodes run at once --
-   Pillow releases the GIL), encoded, and written back **once per batch**: one ``put_many`` of the
-   fresh records (``SET NX``), one of the rewritten ones, one of the newly remembered bad files. No
-   lock is held across a decode; LMDB's write transaction covers only the batch write.
+   Pillow releases the GIL), encoded, and written back **once per batch** to every writable tier: one
+   ``put_many`` of the fresh records (``SET NX``), one of the rewritten ones, one of the newly
+   remembered bad files. No lock is held across a decode; LMDB's write transaction covers only the
+   batch write.
+
+**Trainers read, daemons write.** A reader (``writer=False``: ``CachedImageNet``) opens every shared
+(remote) tier read-only (:func:`~datacache.stores.open_store` ``reader=True``) unless the tier's URL says
+``?write_back=1``: its misses are decoded locally and served, written back only to local tiers (the
+embedded LMDB), and it trusts the store's quarantine entries (only writers can make them). A writer
+(``writer=True``: the daemon, ``datacache warm``) writes samples and quarantine entries, and in a
+shared cache never trusts a quarantine entry it did not verify itself: an entry found in the store is
+counted as done only once this process has failed to decode that file too
+(:attr:`ReadThrough.verified_bad`), so a forged or stale entry costs one decode and never leaves a good
+file unfilled. (A local LMDB's only writers are this user's processes: its entries are trusted.)
 4. Failures come back as :class:`Failure` (reason + whether it was a read or a decode failure);
    the caller applies its policy (substitute or raise).
 
@@ -77,16 +88,17 @@ def manifest_dir_for(cache: str | CacheSpec | StoreSpec) -> str:
     return os.path.join(user_cache_dir(), "datacache", "manifests")
 
 
-def shared_store(cache: str | CacheSpec | StoreSpec) -> Any:
+def shared_store(cache: str | CacheSpec | StoreSpec, *, reader: bool = False) -> Any:
     """One store object per (process, cache URL): LMDB refuses to open the same environment twice in
     one process, so datasets that share a cache (train + val, two sweeps in one process) share the
-    handle. Per pid, so a forked child never reuses its parent's entry."""
+    handle. Per pid, so a forked child never reuses its parent's entry. ``reader=True``: shared tiers
+    read-only (trainers read, daemons write; :func:`~datacache.stores.open_store`)."""
     spec = cache if isinstance(cache, (StoreSpec, CacheSpec)) else parse_cache_url(cache)
-    key = (os.getpid(), spec.secret_url)
+    key = (os.getpid(), spec.secret_url, reader)
     st = _STORES.get(key)
     if st is None:
         # a remote lone tier behind the background write-back queue: a miss never waits on the network
-        st = _STORES[key] = open_store(spec, background_writes=isinstance(spec, CacheSpec))
+        st = _STORES[key] = open_store(spec, background_writes=isinstance(spec, CacheSpec), reader=reader)
     return st
 
 
@@ -95,14 +107,35 @@ def record_bytes_hint(variant: Variant) -> int:
     return variant.short_side * min(variant.long_cap, (variant.short_side * 4) // 3) * 3 + 64
 
 
+SHARED_SCHEMES = ("redis", "rediss", "redis+cluster")
+
+
+def shared(cache: CacheSpec | StoreSpec) -> bool:
+    """Whether ``cache`` has a shared (network) tier that other users' processes may write."""
+    tiers = cache.tiers if isinstance(cache, CacheSpec) else (cache,)
+    return any(t.scheme in SHARED_SCHEMES for t in tiers)
+
+
+def writable(store: Any) -> bool:
+    """Whether ``store`` (one tier or a TieredStore) has a tier it may write to."""
+    return any(not getattr(t, "readonly", False) for t in getattr(store, "tiers", [store]))
+
+
 class ReadThrough:
     """Keys -> tiers -> fill for one dataset and variant (see the module docstring)."""
 
     def __init__(self, manifest: Manifest, variant: Variant, cache: CacheSpec, *,
                  t1_dir: str | None = "default",
                  t1_max_bytes: int | None = None, storage_options: dict | None = None,
-                 record_key_file: str | None = None, confine: Sequence[str] | None = None) -> None:
+                 record_key_file: str | None = None, confine: Sequence[str] | None = None,
+                 writer: bool = False, verified_bad: set[bytes] | None = None) -> None:
         self.manifest = manifest
+        self.writer = bool(writer)
+        # writers of a shared cache: the quarantine keys this process itself found undecodable (the daemon
+        # passes one set that lives across its passes); readers, and writers of a local cache (LMDB: this
+        # user's own processes are its only writers): None = the store's entries are trusted
+        self.verified_bad: set[bytes] | None = (
+            (verified_bad if verified_bad is not None else set()) if self.writer and shared(cache) else None)
         self._confine = None if confine is None else tuple(confine)  # Source(confine=): allowed prefixes
         self.variant = variant
         self.cache = cache
@@ -119,12 +152,14 @@ class ReadThrough:
 
     def _reset(self) -> None:
         self._store: Any = None
+        self._told_readonly = False
         self._source: Source | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_store", "_source", "_pool", "_pid")}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_store", "_source", "_pool", "_pid", "_told_readonly")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -140,7 +175,7 @@ class ReadThrough:
         """This process's store (opened on first use; a decode-pool worker never opens it)."""
         self._check_pid()
         if self._store is None:
-            self._store = shared_store(self.cache)
+            self._store = shared_store(self.cache, reader=not self.writer)
             self._store.hint_value_bytes(record_bytes_hint(self.variant))
         return self._store
 
@@ -283,6 +318,16 @@ class ReadThrough:
             counts["decoded"] += 1
             (rewrite if pos in invalid else fresh).append((self.key(i), got.record))
             out[pos] = (got.pixels, int(self.manifest.labels[i]))
+        if not writable(self._store):  # a reader of a shared cache: served, not written
+            if not self._told_readonly:
+                self._told_readonly = True
+                import logging
+
+                logging.getLogger("datacache.readthrough").info(
+                    "%s: misses are decoded and served, not written: trainers read, daemons write (run a "
+                    "datacache-daemon per node, or `datacache warm` with the daemons' credential; "
+                    "?write_back=1 only for a Redis that is yours alone)", self._store.url)
+            return
         # one batched write per kind; failures (read-only cache, full disk) are counted, never raised
         queued = getattr(self._store, "remote_only", False)  # put_many returns what was queued, not stored
         kw = {"on_ack": on_ack} if queued else {}
@@ -327,6 +372,13 @@ class ReadThrough:
         qkey = self.qkey(index)
         return qkey, quarantine_value(self.manifest.paths[index], self.manifest.identity(index), reason,
                                       qkey=qkey, record_key=self.record_key)
+
+    def trusted_bad(self, index: int, value: Any) -> bool:
+        """Whether a quarantine entry read from the store lets a fill skip ``index``: valid for this
+        reader, and -- for a writer -- for a file this process failed to decode itself (module docstring)."""
+        if value is None or self.parse_known_bad(index, value) is None:
+            return False
+        return self.verified_bad is None or self.qkey(index) in self.verified_bad
 
     def parse_known_bad(self, index: int, value: Any) -> str | None:
         """The reason of a valid quarantine entry for ``index`` (MAC'd with this reader's record key if it

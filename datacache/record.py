@@ -13,10 +13,14 @@ header field and the payload:
   returned under another key (a reassembled multi-node reply, a copy bug): :func:`decode_record` is
   given the key it was asked for. It is **unkeyed**: anyone who can write to the cache can compute it,
   so it says nothing about who wrote the record.
-* ``mac`` (with a :class:`RecordKey`, ``record_key_file``): a keyed MAC, BLAKE2b with the secret key
-  (``hashlib.blake2b(key=..., digest_size=16)``) over the same fields. Only a holder of the key file
-  (the daemons, the trainers) can make a record a keyed reader accepts; an unkeyed record, a record
-  MAC'd with another key, and (for an unkeyed reader) any MAC'd record are misses.
+* ``mac`` (a writer with a :class:`RecordKey`, ``record_key_file``: the daemons, ``datacache warm``): a
+  keyed MAC, BLAKE2b with the secret key (``hashlib.blake2b(key=..., digest_size=16)``) over the same
+  fields, written **beside** the ``xxh3`` checksum. Only a holder of the key file can make a record a
+  keyed reader accepts: for a keyed reader an unkeyed record or a record MAC'd with another key is a
+  miss. An unkeyed reader checks the ``xxh3`` of any record. **Trainers read, daemons write**: the
+  trainers' Redis role cannot write at all, so trainers need no key (it stays where records are
+  written) and still read the daemons' keyed records at the cost of one xxh3 pass; a record of the
+  previous keyed layout (``mac`` alone) is a miss for an unkeyed reader.
 
 Format 2 introduced the key binding; format 3 marks pixels made under "one definition of a variant's
 pixels" (:mod:`datacache.decode`); format 4 those made with torchvision's ``Resize`` geometry (the long
@@ -70,7 +74,9 @@ _MAX_SIDE = 1 << 15
 MAX_PIXELS = 1 << 26  # bound on h * w when no variant is given (a variant's is short_side * long_cap)
 MAC_BYTES = 16
 _FIELDS_XXH3 = frozenset({"v", "h", "w", "c", "dtype", "label", "enc", "n", "xxh3"})
+# the previous keyed layout (the MAC alone)
 _FIELDS_MAC = frozenset({"v", "h", "w", "c", "dtype", "label", "enc", "n", "mac"})
+_FIELDS_BOTH = _FIELDS_XXH3 | _FIELDS_MAC  # a keyed writer's record: readable with or without the key
 ENCODINGS = ("raw", "jpeg")
 
 RECORD_KEY_ENV = "DATACACHE_RECORD_KEY_FILE"
@@ -131,7 +137,7 @@ _KEYS: dict[str, RecordKey] = {}
 
 def load_record_key(path: str) -> RecordKey:
     """The record key in ``path`` (read once per process; ConfigError naming the file -- never its
-    content -- when it cannot be used). A file that others may read is used, with a warning."""
+    content -- when it cannot be used, e.g. readable by group/others or owned by another user)."""
     if not isinstance(path, str) or not path or "\x00" in path:
         raise ConfigError(f"record_key_file must be a file path, got {type(path).__name__}")
     apath = os.path.abspath(os.path.expanduser(path))
@@ -153,9 +159,8 @@ def _read_key(apath: str) -> RecordKey:
                           f"{how}") from None
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open forever, a device would never end
         raise ConfigError(f"record_key_file {apath}: not a regular file; {how}")
-    if st.st_mode & 0o077:
-        log.warning("record_key_file %s is open to other users (mode %o): anyone who can read it can forge "
-                    "cache records; chmod 600 %s", apath, stat.S_IMODE(st.st_mode), apath)
+    # read_secret_file refuses (one line, no content) a key file that is group/world-readable or not
+    # this user's: anyone who can read -- or chose -- the key can forge cache records
     text = read_secret_file(apath, what="record_key_file", min_len=RECORD_KEY_MIN_CHARS)
     return RecordKey(text.encode("utf-8"), apath)
 
@@ -225,7 +230,7 @@ def _mac(rk: RecordKey, key: bytes, v: int, h: int, w: int, c: int, label: int, 
 def encode_record(pixels: np.ndarray, label: int, variant: Variant | None = None, *, key: bytes,
                   record_key: RecordKey | None = None) -> bytes:
     """Serialise an ``[H, W, 3]`` uint8 sample and its label for storage under ``key`` (JPEG payload if
-    the variant says so; a keyed MAC instead of the xxh3 checksum with ``record_key``)."""
+    the variant says so; with ``record_key`` a keyed MAC beside the xxh3 checksum)."""
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != CHANNELS:
         raise ValueError(f"encode_record expects uint8 [H, W, 3] (RGB) pixels, got {pixels.dtype} "
                          f"{pixels.shape}")
@@ -238,9 +243,8 @@ def encode_record(pixels: np.ndarray, label: int, variant: Variant | None = None
         payload, enc = np.ascontiguousarray(pixels).tobytes(), "raw"
     fields = {"v": FORMAT_VERSION, "h": h, "w": w, "c": c, "dtype": "uint8", "label": int(label), "enc": enc,
               "n": len(payload)}
-    if record_key is None:
-        fields["xxh3"] = _digest(bytes(key), FORMAT_VERSION, h, w, c, int(label), enc, len(payload), payload)
-    else:
+    fields["xxh3"] = _digest(bytes(key), FORMAT_VERSION, h, w, c, int(label), enc, len(payload), payload)
+    if record_key is not None:
         fields["mac"] = _mac(record_key, bytes(key), FORMAT_VERSION, h, w, c, int(label), enc, len(payload),
                              payload)
     header = msgpack.packb(fields, use_bin_type=True)
@@ -266,7 +270,7 @@ def decode_record(buf: bytes | memoryview, key: bytes, variant: Variant | None =
                   record_key: RecordKey | None = None) -> tuple[np.ndarray, int] | None:
     """``(pixels [H, W, 3] uint8, label)`` or ``None`` when the record fails any check -- including when
     it was not written for ``key``, does not fit ``variant`` (its encoding and geometry; the read path
-    always passes it), or was not MAC'd with ``record_key`` (or is MAC'd and no key is given).
+    always passes it), or -- with ``record_key`` -- was not MAC'd with it (without a key: its xxh3).
     Never raises (module docstring)."""
     try:
         return _decode(buf, key, variant, record_key)
@@ -281,8 +285,12 @@ def _decode(buf: bytes | memoryview, key: bytes, variant: Variant | None,
     if parsed is None:
         return None
     hdr, off = parsed
-    if hdr.keys() != (_FIELDS_XXH3 if record_key is None else _FIELDS_MAC):
-        return None  # an unkeyed reader never accepts a MAC'd record, a keyed one never an xxh3 record
+    fields = hdr.keys()
+    if record_key is None:
+        if fields != _FIELDS_XXH3 and fields != _FIELDS_BOTH:
+            return None  # an unkeyed reader checks the xxh3: a record without one is a miss
+    elif fields != _FIELDS_BOTH and fields != _FIELDS_MAC:
+        return None  # a keyed reader never accepts a record without the MAC
     h, w, c, label, enc, n = hdr["h"], hdr["w"], hdr["c"], hdr["label"], hdr["enc"], hdr["n"]
     if hdr["v"] != FORMAT_VERSION or hdr["dtype"] != "uint8" or enc not in ENCODINGS:
         return None
@@ -303,11 +311,11 @@ def _decode(buf: bytes | memoryview, key: bytes, variant: Variant | None,
     if enc == "raw" and n != h * w * c:
         return None
     payload = mv[off:]
-    if record_key is None:
+    if "xxh3" in fields:  # checked by every reader (a keyed one too: no field of a record goes unchecked)
         digest = hdr["xxh3"]
         if not _is_int(digest) or _digest(key, FORMAT_VERSION, h, w, c, label, enc, n, payload) != digest:
             return None
-    else:
+    if record_key is not None:
         mac = hdr["mac"]
         if not isinstance(mac, bytes) or len(mac) != MAC_BYTES:
             return None

@@ -6,11 +6,12 @@
   remembered bad files (``dcq:*``), fill reports and the dataset registry (``HSET``/``HGETALL``/``HDEL``
   on ``dcd:*``), and the read-only cluster/info commands of their health checks, memory budget and idle
   passes (``INFO``, ``DBSIZE``, ``CLUSTER SLOTS|SHARDS|INFO|COUNTKEYSINSLOT``).
-* ``datacache`` -- trainers (``CachedImageNet``, ``datacache warm``/``stats``/``demo``): read samples,
-  write back ONLY sample and quarantine keys (``dc:*``, ``dcq:*``), read fill reports (``HGETALL`` on
-  ``dcd:*``, which ``wait_warm`` polls) and nothing else there: ``%R~dcd:*`` makes ``dcd:*`` read-only
-  for this user and it has no ``HSET``/``HDEL`` at all, so a trainer cannot register datasets with the
-  daemons (that needs the daemons' API token) nor forge fill reports.
+* ``datacache`` -- trainers (``CachedImageNet``, ``datacache stats``, ``wait_warm``): **read only**.
+  ``GET``/``EXISTS`` on samples (``dc:*``) and remembered bad files (``dcq:*``), ``HGETALL`` on fill
+  reports (``dcd:*``, which ``wait_warm`` polls). Every key pattern is ``%R~`` (read-only) and the role
+  has no write command at all (no ``SET``, so no ``PX``/``EX`` either), so a compromised training job
+  cannot poison, fill or erase what other jobs read: a miss is decoded locally and served, filling is
+  the daemons' job (and ``datacache warm`` run by an operator with the daemons' credential).
 
 Neither datacache role may list key names (``SCAN``, ``KEYS``, ``CLUSTER GETKEYSINSLOT``) or destroy data
 (``DEL``, ``FLUSH*``), run scripts, change the config or manage users. ``-@all`` comes first so commands
@@ -40,7 +41,8 @@ RULES: dict[str, str] = {
     ADMIN: "~* &* +@all",
     DAEMON: ("resetchannels ~dc:* ~dcq:* ~dcd:* -@all +get +set +exists +hset +hgetall +hdel "
              f"{_CLUSTER_READ} +cluster|countkeysinslot {_CONNECT}"),
-    TRAINER: f"resetchannels ~dc:* ~dcq:* %R~dcd:* -@all +get +set +exists +hgetall {_CLUSTER_READ} "
+    # read-only key patterns (%R~) AND no write command: two independent reasons a trainer cannot write
+    TRAINER: f"resetchannels %R~dc:* %R~dcq:* %R~dcd:* -@all +get +exists +hgetall {_CLUSTER_READ} "
              f"{_CONNECT}",
 }
 PLACEHOLDER = "CHANGE_ME"  # in a template's password hashes, and refused in any password the daemon uses

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import posixpath
 import random
@@ -99,6 +100,7 @@ from datacache.source_errors import (
 
 _LOCAL_PROTOCOLS = ("file", "local")
 _INIT_LOCK = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 def _new_init_lock() -> None:  # fork boundary: a lock held by a parent thread would stay held
@@ -204,9 +206,27 @@ class Source:
             if self.confine is not None and self._local:
                 self.use_t1 = False  # a T1 hit would skip the descriptor check (module docstring)
             if self.use_t1:
-                os.makedirs(self.t1_dir, exist_ok=True)
+                self.use_t1 = self._t1_dir_ok()
+            if self.use_t1:
                 self._cfs = fsspec.filesystem("simplecache", fs=fs, cache_storage=self.t1_dir)
             self._pid = os.getpid()
+
+    def _t1_dir_ok(self) -> bool:
+        """Create the T1 directory (mode 0700) or check the existing one: this user's, not writable by
+        group or others (a symlink to such a directory is fine). Another user's directory -- or one
+        others can write -- could serve us their bytes or read our private ones: T1 is then not used
+        (a warning, once per process), and every read goes to the source."""
+        from datacache.ownership import ensure_private_dir
+
+        try:
+            _, why = ensure_private_dir(self.t1_dir, what="T1 cache directory", follow_symlinks=True)
+        except OSError as e:
+            why = f"T1 cache directory {self.t1_dir}: cannot create it ({e.strerror})"
+        if why:
+            log.warning("%s; T1 (the raw-bytes disk cache) is off for this process: fix the directory "
+                        "or set another t1_dir", why)
+            return False
+        return True
 
     def _full(self, relpath: str) -> str:
         return posixpath.join(self._root, relpath.lstrip("/")) if self._root else relpath
@@ -310,10 +330,15 @@ class Source:
 
     def _t1_get(self, fn: str, size: int | None, identity: str) -> bytes | None:
         try:
-            with open(fn, "rb") as f:
+            with os.fdopen(os.open(fn, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
                 raw = f.read()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             self._count("t1_misses")
+            return None
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            self._count("t1_misses")  # a symlink is never an entry of ours: refilled over it
             return None
         data = _t1_unwrap(raw, identity, confined=self.confine is not None)
         if data is None or _wrong_size(data, size):
@@ -328,7 +353,11 @@ class Source:
     def _t1_put(self, fn: str, data: bytes, identity: str) -> None:
         tmp = f"{fn}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
-            with open(tmp, "wb") as f:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)  # what a killed process of the same pid and thread id left
+            # 0600 (private remote data), created here (O_EXCL: never through a link or over a file)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(_t1_header(identity, _T1_MAGIC if self.confine is None else _T1_CONFINED))
                 f.write(data)
             os.replace(tmp, fn)  # atomic publish: readers never see a partial entry

@@ -245,7 +245,8 @@ def missing_in(reader: ReadThrough, store: Any, indices: Sequence[int], step: in
         # quarantine entries are read and checked, not just tested for presence: an entry that is not
         # valid for this reader (forged, another record key, junk) must not stop the fill of a good file
         entries = store.get_many([reader.qkey(i) for i in todo]) if todo else []
-        bad = [q is not None and reader.parse_known_bad(i, q) is not None for i, q in zip(todo, entries)]
+        # and a writer trusts only entries of files it failed to decode itself (ReadThrough.trusted_bad)
+        bad = [reader.trusted_bad(i, q) for i, q in zip(todo, entries)]
         out.append(np.fromiter((i for i, b in zip(todo, bad) if not b), dtype=np.int64))
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
@@ -327,6 +328,8 @@ def _write_chunk(reader: ReadThrough, store: Any, got: Chunk, rep: WarmReport) -
                 log.warning("quarantined %s (%s)", man.paths[i], reason)
             if remember:  # transient failures (read errors, short reads) are not remembered
                 bad_items.append(reader.remember_bad(i, reason))
+                if reader.verified_bad is not None:  # decoded and failed here: this entry is ours
+                    reader.verified_bad.add(bad_items[-1][0])
     rep.decoded += len(good)
     if written is None:
         rep.written += store.put_many(good)
@@ -349,7 +352,7 @@ def warm_cache(source: str, cache: str | None = None, *, workers: int = 2, short
                          revalidate=revalidate)
     reader = ReadThrough(man, variant, spec, t1_dir=t1_dir, t1_max_bytes=t1_max_bytes,
                          storage_options=storage_options,
-                         record_key_file=resolve_record_key_file(record_key_file))
+                         record_key_file=resolve_record_key_file(record_key_file), writer=True)
     # a lone remote tier is written directly (synchronous, acknowledged writes from the pool workers)
     lone = open_store(spec.tiers[0]) if len(spec.tiers) == 1 else None
     direct = lone if getattr(lone, "remote", False) else None

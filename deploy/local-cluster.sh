@@ -9,8 +9,9 @@
 #
 # Environment: PYTHON (interpreter; default: the one `./quickstart.sh python` picks, i.e. the active
 # venv or the project's .venv; the [daemon] extra is pip-installed into it when missing), PORT (first
-# Redis port, default 7000), DIR (state and logs, default /tmp/datacache-local-cluster; must be new,
-# empty or made by an earlier `up`: nothing else in it is ever touched), IMAGES (size of the generated
+# Redis port, default 7000), DIR (state and logs, default ${TMPDIR:-/tmp}/datacache-local-cluster-<uid>;
+# must be yours, not writable by others, and new, empty or made by an earlier `up`: nothing else in it
+# is ever touched, and no symlink in it is written through), IMAGES (size of the generated
 # demo dataset, default 1000), MAXMEMORY (per master, default 1gb), HTTP_PORT (first daemon HTTP port,
 # default 8470), HEALTH_WAIT (seconds to wait for each daemon's /health, default 60), DOWN_WAIT (seconds
 # `down` lets a daemon drain after SIGTERM before it kills its process group, default 30).
@@ -23,9 +24,13 @@
 #   redis+cluster://datacache@127.0.0.1:7000,...?password_file=$DIR/secrets/datacache.pass
 # (`up` prints it; so does `python -m datacache.devtools.redis_local url --dir $DIR --role datacache`).
 set -euo pipefail
+# noclobber: `>` never truncates an existing file, and never writes through a symlink (bash opens a new
+# file with O_EXCL); every file this script writes is removed first (rm removes a link, not its target)
+set -o noclobber
 cd "$(dirname "$0")/.."
 PORT="${PORT:-7000}"
-DIR="${DIR:-/tmp/datacache-local-cluster}"
+# per user, as redis_local's default_dir (python's tempfile.gettempdir() honours TMPDIR the same way)
+DIR="${DIR:-${TMPDIR:-/tmp}/datacache-local-cluster-$(id -u)}"
 case "$DIR" in /*) ;; *) DIR="$PWD/$DIR" ;; esac  # absolute: the URLs' password_file= must not depend on cwd
 IMAGES="${IMAGES:-1000}"
 MAXMEMORY="${MAXMEMORY:-1gb}"
@@ -72,12 +77,27 @@ dataset() {
   "$PY" -c "from datacache.demo import DemoConfig, ensure_dataset; print(ensure_dataset(DemoConfig(images=$IMAGES, progress=False)))" | tail -1
 }
 
-# a daemon counts as running when its recorded pid is alive and is a cache_daemon (not a reused pid)
+# a daemon counts as running when its recorded pid is alive, is OURS (-O: /proc/PID owned by this
+# user), runs cache_daemon and writes to node $1's log in this DIR (its stdout): never a reused pid or
+# one someone wrote into the pid file, which `down` would otherwise signal
 daemon_alive() {
-  local f="$DIR/daemon-$1.pid" pid
-  [ -f "$f" ] || return 1
-  pid="$(cat "$f")"
-  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "cache_daemon"
+  local f="$DIR/daemon-$1.pid" pid dir
+  [ -f "$f" ] && [ ! -L "$f" ] || return 1
+  pid="$(head -c 20 "$f")"
+  case "$pid" in ''|*[!0-9]*) return 1 ;; esac
+  [ "$pid" -gt 1 ] && [ -O "/proc/$pid" ] && [ -r "/proc/$pid/cmdline" ] || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "cache_daemon" || return 1
+  dir="$(cd "$DIR" 2>/dev/null && pwd -P)" || return 1
+  [ "$(readlink "/proc/$pid/fd/1" 2>/dev/null)" = "$dir/daemon-$1.log" ]
+}
+
+# a file this script is about to (re)write in DIR: refused when it is a symlink or not a regular file
+# (never written through, never truncated), else removed so noclobber's O_EXCL open creates it afresh
+fresh_file() {
+  if [ -L "$1" ] || { [ -e "$1" ] && [ ! -f "$1" ]; }; then
+    die "$1 is a symbolic link or not a regular file: refusing to write through it (remove it)"
+  fi
+  rm -f "$1"
 }
 
 daemon_healthy() {
@@ -91,7 +111,7 @@ except Exception:
 # wait for daemon $1's /health; if it exits or never answers, show its log tail and fail
 wait_daemon() {
   local i="$1" deadline=$((SECONDS + HEALTH_WAIT)) pid
-  pid="$(cat "$DIR/daemon-$i.pid" 2>/dev/null || echo 0)"
+  pid="$(head -c 20 "$DIR/daemon-$i.pid" 2>/dev/null || echo 0)"
   while [ "$SECONDS" -lt "$deadline" ]; do
     # alive = the process we started still exists (kill -0). daemon_alive's cmdline check would race
     # here: between the fork and setsid's exec, our child's cmdline is still this script's
@@ -118,6 +138,8 @@ up() {
   daemon_url="$(role_url datacache-daemon)"
   for i in 0 1 2; do
     daemon_alive "$i" && continue
+    fresh_file "$DIR/daemon-$i.log"  # before anything slow: a planted link stops the start at once
+    fresh_file "$DIR/daemon-$i.pid"
     [ -n "${src:-}" ] || src="$(dataset)"
     # setsid: each daemon leads its own process group (with its decode pool), so `down` can kill the
     # whole group if a drain hangs, and a Ctrl-C in this terminal does not reach it
@@ -149,7 +171,7 @@ down() {
   local i pid
   for i in 0 1 2; do
     if daemon_alive "$i"; then
-      pid="$(cat "$DIR/daemon-$i.pid")"
+      pid="$(head -c 20 "$DIR/daemon-$i.pid")"  # proven ours by daemon_alive
       kill -TERM "$pid" 2>/dev/null || true  # SIGTERM drains: chunks in flight are written, then it exits
       for _ in $(seq $((DOWN_WAIT * 10))); do daemon_alive "$i" || break; sleep 0.1; done
       if daemon_alive "$i"; then
@@ -157,8 +179,12 @@ down() {
         kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
       fi
     fi
-    # only the files up wrote, and only in a DIR that up claimed (it holds redis_local's marker)
-    if [ -f "$DIR/.datacache-local-cluster" ]; then rm -f "$DIR/daemon-$i.pid" "$DIR/daemon-$i.log"; fi
+    # only the files up wrote, and only in a DIR that up claimed (it holds redis_local's marker) and
+    # that is ours (-O: owned by this user; redis_local down refuses, in one line, any other)
+    if [ ! -L "$DIR" ] && [ -O "$DIR" ] && [ -f "$DIR/.datacache-local-cluster" ] \
+        && [ ! -L "$DIR/.datacache-local-cluster" ] && [ -O "$DIR/.datacache-local-cluster" ]; then
+      rm -f "$DIR/daemon-$i.pid" "$DIR/daemon-$i.log"
+    fi
   done
   "$PY" -m datacache.devtools.redis_local down --dir "$DIR"
 }

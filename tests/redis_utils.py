@@ -1,6 +1,7 @@
 """Real Redis for tests: fixtures that start ``redis-server`` processes on free loopback ports and stop them.
 
-* ``redis_server`` (module): one standalone server, flushed before each test that uses ``redis_url``.
+* ``redis_server`` (module): one standalone server, flushed before each test that uses ``redis_url``
+  (its URL has ``write_back=1``: :func:`private`).
 * ``redis_cluster`` (module): a 3-master Redis Cluster (``redis-cli --cluster create``), flushed
   before each test that uses ``cluster_url``.
 * ``fresh_cluster`` (function): a cluster of its own, for tests that kill or restart masters.
@@ -53,10 +54,18 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     srv.stop()
 
 
+def private(url: str) -> str:
+    """``url`` with ``write_back=1``: these servers are the test's alone (no ACL, the default user may
+    write), so ``CachedImageNet`` writes its misses back as it does to a user's own Redis. The default --
+    trainers read, daemons write: a shared tier is never written by a reader -- is what
+    tests/test_redis_conf.py (real ACL roles) and tests/test_redis_stores.py check."""
+    return url + ("&" if "?" in url else "?") + "write_back=1"
+
+
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     flushall(redis_server.port)
-    return f"redis://{redis_server.addr}/0"
+    return private(f"redis://{redis_server.addr}/0")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +81,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 def cluster_url(redis_cluster: LocalCluster) -> str:
     for m in redis_cluster.masters:
         flushall(m.port)
-    return redis_cluster.url
+    return private(redis_cluster.url)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from client.dataset import CachedImageNet
 from datacache.decode import decode_image
-from tests.redis_utils import cli, needs_redis
+from tests.redis_utils import cli, needs_redis, private
 
 pytestmark = needs_redis
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +51,7 @@ def epoch_in_new_process(root: str, url: str) -> dict:
 
 def test_master_killed_mid_epoch_then_restarted_empty(fresh_cluster, imagefolder_factory) -> None:
     root = imagefolder_factory(classes=3, per_class=16, size=(80, 60))
-    url = fresh_cluster.url
+    url = private(fresh_cluster.url)
     ds = CachedImageNet(root, cache=url, short_side=SHORT, t1_dir=None)
     n = len(ds)
     keys = [ds.key(i) for i in range(n)]

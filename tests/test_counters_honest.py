@@ -11,7 +11,7 @@ import pytest
 from datacache.devtools.redis_local import start_server
 from datacache.stores import open_store
 from datacache.tiered import TieredStore
-from tests.redis_utils import needs_redis
+from tests.redis_utils import needs_redis, private
 
 pytestmark = needs_redis
 
@@ -97,7 +97,7 @@ def test_dataset_stats_written_is_what_the_server_acknowledged(tmp_path, imagefo
         subprocess.run(["redis-cli", "-p", str(srv.port), "config", "set", "maxmemory", str(used + 600_000)],
                        check=True, capture_output=True, timeout=10)
         root = imagefolder_factory(classes=3, per_class=8, size=(200, 150))
-        ds = CachedImageNet(root, cache=f"redis://{srv.addr}/0", short_side=160, t1_dir=None)
+        ds = CachedImageNet(root, cache=private(f"redis://{srv.addr}/0"), short_side=160, t1_dir=None)
         loader = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=list)
         assert sum(len(b) for b in loader) == 24
         assert ds.flush(timeout=30)  # the main process's queue (workers flushed theirs at exit)

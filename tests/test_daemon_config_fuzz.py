@@ -69,6 +69,7 @@ def test_env_values_are_checked_like_the_file() -> None:
 def test_token_file_is_read_and_never_printed(tmp_path) -> None:
     tok = tmp_path / "token"
     tok.write_text("file-token-0123456789\n")
+    os.chmod(tok, 0o600)  # a secret file must be private (read_secret_file refuses 0644)
     cfg_path = tmp_path / "d.toml"
     cfg_path.write_text(BASE + f'api_token_file = "{tok}"\nallowed_sources = ["/data"]\n')
     assert load_config(str(cfg_path), env={}).api_token == "file-token-0123456789"

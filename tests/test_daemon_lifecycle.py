@@ -307,7 +307,7 @@ def test_full_fill_creates_no_process_and_a_shared_pool_is_reused(imagefolder_fa
 
     root = imagefolder_factory(classes=2, per_class=4, size=(80, 60))
     spec = parse_cache_url(f"lmdb://{tmp_path}/cache")
-    reader = ReadThrough(Manifest.build(root), Variant(short_side=SHORT), spec, t1_dir=None)
+    reader = ReadThrough(Manifest.build(root), Variant(short_side=SHORT), spec, t1_dir=None, writer=True)
     pool = DecodePool(1)
     try:
         first = fill_missing(reader, range(4), pool=pool, progress=False)

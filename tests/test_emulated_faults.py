@@ -224,8 +224,8 @@ def test_a_master_killed_mid_epoch_reads_fall_back_then_refill(emu: EmuCluster, 
     assert stats["misses"] > 0, stats  # node 2's samples (after the kill) were misses, decoded again
     assert took < 150
     # back: the master rejoins with its slots, empty (no persistence); its share is refilled by its daemon
-    # (a pass every poll_interval: the daemon stays live and keeps passing while its master is down) and by
-    # the next epoch's read-through, whichever comes first -- so no "still empty" check here: it would race
+    # (a pass every poll_interval: the daemon stays live and keeps passing while its master is down); the
+    # readers only read (trainers read, daemons write) -- no "still empty" check here: it would race
     c.restart_master(node)
     r2 = Reader(c, 0, str(tmp_path))
     epochs = r2.finish(timeout=120)

@@ -68,6 +68,7 @@ def loaded_config(tmp_path, pod: dict[str, str]):
     for rel, value in (("redis/password", "r" * 24), ("api/token", "a" * 32)):
         (secrets / rel).parent.mkdir(parents=True, exist_ok=True)
         (secrets / rel).write_text(value + "\n")
+        (secrets / rel).chmod(0o600)  # as the pod sees it: private (root:fsGroup 0440 there)
     path = tmp_path / "daemon.toml"
     path.write_text(toml.replace(SECRETS, str(secrets)))
     env = {k: v for k, v in env_of(container(), pod).items() if k.startswith("DATACACHE_DAEMON_")}

@@ -51,7 +51,7 @@ def test_local_and_remote_bytes_match_the_slot_map(cluster_url: str, redis_clust
     root = imagefolder_factory(classes=3, per_class=10, size=(64, 48))
     CachedImageNet(root, cache=cluster_url, short_side=32).__getitems__(list(range(30)))  # fill
     local = redis_cluster.masters[1].addr
-    ds = CachedImageNet(root, cache=f"{cluster_url}?local={local}", short_side=32)
+    ds = CachedImageNet(root, cache=f"{cluster_url}&local={local}", short_side=32)
     keys = [ds.key(i) for i in range(len(ds))]
     lh, lb, rh, rb = _reference(redis_cluster, keys, local)
     assert lh > 0 and rh > 0  # 30 keys over 3 masters: both kinds occur
@@ -70,7 +70,7 @@ def test_local_and_remote_bytes_match_the_slot_map(cluster_url: str, redis_clust
     assert _placed(p) == (0, 0, lh + rh, lb + rb)
 
     # chained behind a fresh LMDB tier: the cluster is tier 1, the LMDB tier counts no placement
-    chained = CachedImageNet(root, cache=f"lmdb://{tmp_path / 'near'}::{cluster_url}?local={local}",
+    chained = CachedImageNet(root, cache=f"lmdb://{tmp_path / 'near'}::{cluster_url}&local={local}",
                              short_side=32)
     _read_all(chained, workers=0)
     c = chained.stats()

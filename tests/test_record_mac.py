@@ -12,7 +12,6 @@ Redis with the key for CachedImageNet.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import pickle
 import subprocess
@@ -68,7 +67,7 @@ def join(hdr: dict, payload: bytes) -> bytes:
 
 
 # ------------------------------------------------------------------------------------ key files
-def test_key_file_errors_name_the_file_never_the_content(tmp_path, caplog) -> None:
+def test_key_file_errors_name_the_file_never_the_content(tmp_path) -> None:
     short = key_file(tmp_path / "short", "s3cr3t-but-only-31-characters!!")
     with pytest.raises(ConfigError) as ei:
         load_record_key(short)
@@ -95,11 +94,11 @@ def test_key_file_errors_name_the_file_never_the_content(tmp_path, caplog) -> No
     t.start()
     t.join(30)
     assert not t.is_alive() and "not a regular file" in str(result[0])  # refused, never blocks on the FIFO
-    open_to_all = key_file(tmp_path / "shared", mode=0o644)
-    with caplog.at_level(logging.WARNING, logger="datacache.record"):
-        rk = load_record_key(open_to_all)
-    assert rk.path == open_to_all and "chmod 600" in caplog.text and open_to_all in caplog.text
-    assert MATERIAL_A not in caplog.text
+    open_to_all = key_file(tmp_path / "shared", mode=0o644)  # refused (issue 35), no longer a warning
+    with pytest.raises(ConfigError) as ei:
+        load_record_key(open_to_all)
+    msg = str(ei.value)
+    assert open_to_all in msg and "chmod 600" in msg and "\n" not in msg and MATERIAL_A not in msg
 
 
 def test_key_material_is_stripped_and_read_once_per_process(tmp_path) -> None:
@@ -161,11 +160,20 @@ def test_keyed_records_carry_a_blake2b_mac_over_every_field(tmp_path) -> None:
     for variant in (V, VJ):
         rec = encode_record(px, 9, variant, key=K, record_key=rk)
         hdr, payload = split(rec)
-        assert set(hdr) == {"v", "h", "w", "c", "dtype", "label", "enc", "n", "mac"}
+        assert set(hdr) == {"v", "h", "w", "c", "dtype", "label", "enc", "n", "mac", "xxh3"}
         assert hdr["mac"] == reference_mac(MATERIAL_A, K, hdr, payload)  # a real keyed MAC, as documented
         got = decode_record(rec, K, variant, record_key=rk)
         assert got is not None and got[1] == 9 and got[0].shape == (16, 21, 3)
-        assert decode_record(rec, K, variant) is None                      # unkeyed reader: a miss
+        # trainers read, daemons write: an unkeyed reader (a trainer) reads a keyed writer's record by its
+        # xxh3 -- and still refuses one whose checksum does not hold
+        plain = decode_record(rec, K, variant)
+        assert plain is not None and plain[1] == 9 and np.array_equal(plain[0], got[0])
+        assert decode_record(join({**hdr, "xxh3": hdr["xxh3"] ^ 1}, payload), K, variant) is None
+        assert decode_record(rec, K + b"0", variant) is None
+        # the previous keyed layout (the MAC alone): a keyed reader's hit, an unkeyed reader's miss
+        mac_only = join({f: v for f, v in hdr.items() if f != "xxh3"}, payload)
+        assert decode_record(mac_only, K, variant, record_key=rk) is not None
+        assert decode_record(mac_only, K, variant) is None
         assert decode_record(rec, K, variant, record_key=other) is None    # another key: a miss
         assert decode_record(rec, K + b"0", variant, record_key=rk) is None  # under another key
         unkeyed = encode_record(px, 9, variant, key=K)
@@ -179,8 +187,10 @@ def test_keyed_records_carry_a_blake2b_mac_over_every_field(tmp_path) -> None:
         flipped = bytearray(payload)
         flipped[len(flipped) // 2] ^= 4
         assert decode_record(join(hdr, bytes(flipped)), K, variant, record_key=rk) is None
-        # the attacker's best without the key: a valid xxh3 record with the MAC field added
-        assert decode_record(join({**split(unkeyed)[0], "mac": hdr["mac"]}, split(unkeyed)[1]), K, variant,
+        # the best a writer without the key can do: other pixels under a valid xxh3 (made by the unkeyed
+        # encoder) with the genuine record's MAC copied in -- a keyed reader's miss
+        other_px = encode_record(px ^ 1, 9, variant, key=K)
+        assert decode_record(join({**split(other_px)[0], "mac": hdr["mac"]}, split(other_px)[1]), K, variant,
                              record_key=rk) is None
 
 
@@ -191,7 +201,8 @@ def test_quarantine_entries_carry_a_mac_with_a_key(tmp_path) -> None:
     qk = quarantine_key(V.tag(), path, ident)
     keyed = quarantine_value(path, ident, "cannot decode: x (OSError)", qkey=qk, record_key=rk)
     assert parse_quarantine(keyed, path, ident, qkey=qk, record_key=rk) == "cannot decode: x (OSError)"
-    assert parse_quarantine(keyed, path, ident, qkey=qk) is None                    # unkeyed reader
+    # an unkeyed reader (a trainer: only writers can write entries) reads a keyed writer's entry
+    assert parse_quarantine(keyed, path, ident, qkey=qk) == "cannot decode: x (OSError)"
     assert parse_quarantine(keyed, path, ident, qkey=qk, record_key=other) is None  # another key
     qk2 = quarantine_key("s32m64bilinear-raw", path, ident)
     assert parse_quarantine(keyed, path, ident, qkey=qk2, record_key=rk) is None    # moved to another key
@@ -247,7 +258,7 @@ def test_unkeyed_and_wrongly_keyed_records_in_redis_are_misses_and_repaired(tmp_
     for i in range(4):
         value = r.get(ds.key(i))
         assert decode_record(value, ds.key(i), ds.variant, record_key=rk) is not None
-        assert decode_record(value, ds.key(i), ds.variant) is None
+        assert decode_record(value, ds.key(i), ds.variant) is not None  # readable without the key
     ds2 = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file=path)
     ds2.__getitems__([0, 1, 2, 3])
     assert ds2.stats()["decoded"] == 0 and ds2.stats()["hits"] == 4
@@ -262,6 +273,7 @@ def test_forged_quarantine_entries_do_not_skip_good_samples(tmp_path, redis_url,
     import redis
 
     from client.dataset import CachedImageNet
+    from datacache.readthrough import ReadThrough
     from datacache.warm import warm_cache
 
     root = imagefolder_factory(classes=2, per_class=3, size=(60, 45))
@@ -293,9 +305,11 @@ def test_forged_quarantine_entries_do_not_skip_good_samples(tmp_path, redis_url,
     assert "forged" not in ds.quarantined["c000/zz-bad.JPEG"]
     entry = r.get(ds.reader.qkey(bad))  # replaced: a real, keyed verdict
     assert ds.reader.parse_known_bad(bad, entry) is not None and b"forged" not in entry
-    # a client with no record key (the environment's default is off here) finds nothing valid either
+    # a reader with no record key (a trainer; the environment's default is off here) trusts the writers'
+    # real entry -- and a writer without the key would not (no valid entry: the file is decoded again)
     ds_none = CachedImageNet(root, cache=redis_url, short_side=16, t1_dir=None, record_key_file="")
-    assert ds_none.reader.record_key is None and ds_none.reader.parse_known_bad(bad, entry) is None
+    assert ds_none.reader.record_key is None and ds_none.reader.parse_known_bad(bad, entry) is not None
+    assert not ReadThrough(man, ds.variant, ds.cache_spec, writer=True).trusted_bad(bad, entry)
 
 
 @needs_redis
@@ -355,11 +369,11 @@ def test_daemon_fills_redis_with_keyed_records_for_cached_imagenet(tmp_path, red
     for k in keys:  # every record the daemon's decode workers wrote carries the MAC
         value = r.get(k)
         assert decode_record(value, k, ds.variant, record_key=rk) is not None
-        assert decode_record(value, k, ds.variant) is None
+        assert decode_record(value, k, ds.variant) is not None  # trainers need no key to read them
     bad = list(ds.manifest.paths).index("c001/zz-bad.JPEG")
     entry = r.get(ds.reader.qkey(bad))
     assert entry is not None and ds.reader.parse_known_bad(bad, entry) is not None
-    assert ReadThrough(ds.manifest, ds.variant, ds.cache_spec).parse_known_bad(bad, entry) is None
+    assert ReadThrough(ds.manifest, ds.variant, ds.cache_spec).parse_known_bad(bad, entry) is not None
     out = ds.__getitems__(list(range(len(ds))))
     st = ds.stats()
     assert st["decoded"] == 0 and st["t2"]["known_bad"] == 1 and st["substituted"] == 1
@@ -488,4 +502,4 @@ def test_decode_pool_workers_of_a_batch_backend_mac_what_they_encode(tmp_path, s
     keys = reader.keys(range(n))
     for k, v in zip(keys, reader.store.get_many(keys)):
         assert decode_record(v, k, variant, record_key=rk) is not None
-        assert decode_record(v, k, variant) is None
+        assert decode_record(v, k, variant) is not None  # beside the MAC, the xxh3 of an unkeyed reader

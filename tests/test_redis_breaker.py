@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from client.dataset import CachedImageNet
 from datacache.decode import decode_image
 from datacache.stores import open_store
-from tests.redis_utils import needs_redis
+from tests.redis_utils import needs_redis, private
 
 pytestmark = needs_redis
 
@@ -91,7 +91,7 @@ def test_frozen_cluster_master_costs_no_per_batch_timeout(fresh_cluster, imagefo
     root = imagefolder_factory(classes=3, per_class=64, size=(160, 120))
     # a reply timeout well under the epoch's length, so "< 3x normal" tells one timeout per worker
     # (fine) from one per batch (48 batches x 2 GETs x 0.1 s, ~20x normal here)
-    url = f"{fresh_cluster.url}?socket_timeout=0.1&connect_timeout=0.1"
+    url = private(f"{fresh_cluster.url}?socket_timeout=0.1&connect_timeout=0.1")
     ds = CachedImageNet(root, cache=url, short_side=32, t1_dir=None)
     n = len(ds)
     store = ds.store.tiers[0]

@@ -5,10 +5,13 @@
 * Filled by ``python -m datacache.make_secrets`` (generated passwords), three real redis-server masters
   start with it and form a cluster as ``admin``. Then, as each role, every path its real code sends
   works with no ACL denial at all (``ACL LOG`` stays empty on every master): the store, fill reports,
-  the registry and a real cache daemon as ``datacache-daemon``; ``CachedImageNet`` (reads, write-back,
-  quarantine, ``wait_warm``) and ``datacache stats`` as ``datacache``.
-* The trainers' role cannot write the registry or fill reports (``ACL DRYRUN`` and for real), neither
-  role can list keys or destroy data, and the old default passwords open nothing.
+  the registry and a real cache daemon as ``datacache-daemon``; ``CachedImageNet`` (reads, misses served
+  without a write, known-bad files, ``wait_warm``) and ``datacache stats`` as ``datacache``.
+* Trainers read, daemons write: the trainers' role is allowed exactly its read commands (the server's
+  whole command table through ``ACL DRYRUN``), cannot poison, fill, expire or erase samples or
+  quarantine entries (for real, as a compromised job would try), nor write the registry or fill
+  reports; a daemon re-checks quarantine entries it did not make; neither role can list keys or
+  destroy data, and the old default passwords open nothing.
 * The daemon caps what it READS from the registry (40 direct HSETs -> at most ``max_registrations``),
   and a forged 18 MB fill report leaves ``/status`` small (a real daemon, real HTTP).
 """
@@ -227,7 +230,11 @@ def test_daemon_role_store_fill_registry_and_a_real_daemon_work(roles_cluster, t
 
 
 @needs_redis
-def test_trainer_role_reads_writes_back_quarantines_and_waits_warm(roles_cluster, tmp_path) -> None:
+def test_trainer_role_reads_serves_misses_and_waits_warm(roles_cluster, tmp_path) -> None:
+    """Trainers read, daemons write: as the trainer, CachedImageNet serves misses decoded locally and
+    sends no write at all (the ACL log stays empty, no write error); ``datacache warm`` as the daemons'
+    role fills the cache and remembers the bad file; then the trainer hits, knows the bad file, waits warm
+    and runs ``datacache stats``; and ``datacache warm`` as the trainer says which credential it needs."""
     from client.dataset import CachedImageNet
     from datacache.devtools import synth
     from datacache.fillstatus import report_fill
@@ -241,14 +248,29 @@ def test_trainer_role_reads_writes_back_quarantines_and_waits_warm(roles_cluster
     url = rc.url(TRAINER)
     ds = CachedImageNet(src, cache=url, short_side=32, t1_dir=None)  # PING / CLUSTER SLOTS at construction
     n = len(ds)
-    assert len(ds.__getitems__(list(range(n)))) == n  # misses: decoded, written back (SET NX on dc:*)
-    assert ds.flush(timeout=30) and ds.quarantined  # the bad file: remembered under dcq:*
+    assert len(ds.__getitems__(list(range(n)))) == n  # misses: decoded locally and served, never written
+    assert ds.flush(timeout=30) and ds.quarantined
     st = ds.stats()
-    assert st["decoded"] >= n - 1 and ds.store.counters()["write_errors"] == 0, st
+    assert st["decoded"] >= n - 1 and st["t2"]["written"] == 0, st
+    assert ds.store.counters().get("write_errors", 0) == 0  # not even tried
+    env = {**os.environ, "PYTHONPATH": REPO}
+    # `datacache warm` as the trainer: every write refused; the warning says whose credential it takes
+    out = subprocess.run([sys.executable, "-m", "datacache.cli", "warm", src, "--cache", url, "--short-side",
+                          "32", "--workers", "1", "--t1-dir", "none", "--no-progress"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert "NOT cached" in out.stdout and "datacache-daemon" in out.stderr, out.stdout + out.stderr
+    assert rc.password(TRAINER) not in out.stdout + out.stderr
+    _reset_acl_log(rc)
+    # the operator warms with the daemons' credential
+    out = subprocess.run([sys.executable, "-m", "datacache.cli", "warm", src, "--cache", rc.url(DAEMON),
+                          "--short-side", "32", "--workers", "1", "--t1-dir", "none", "--no-progress"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "NOT cached" not in out.stdout, out.stdout + out.stderr
     again = CachedImageNet(src, cache=url, short_side=32, t1_dir=None)
     again.__getitems__(list(range(n)))
     st = again.stats()
-    assert st["hits"] >= n - 1 and st["decoded"] == 0, st  # GET pipelines; the bad file known (dcq:*)
+    assert st["hits"] == n and st["decoded"] == 0, st  # GET pipelines (n - 1 + the bad one's substitute)
+    assert st["t2"]["known_bad"] == 1 and list(again.quarantined) == ["c000/bad.JPEG"]  # warm's dcq: entry
     # wait_warm as the trainer: HGETALL of the daemons' reports, then EXISTS of sampled keys
     daemon = open_store(rc.url(DAEMON))
     try:
@@ -259,10 +281,151 @@ def test_trainer_role_reads_writes_back_quarantines_and_waits_warm(roles_cluster
     summary = again.wait_warm(timeout=30, poll=0.1)
     assert summary["full"] and summary["verified"]["missing"] == 0
     out = subprocess.run([sys.executable, "-m", "datacache.cli", "stats", "--cache", url],
-                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+                         capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert rc.password(TRAINER) not in out.stdout + out.stderr
     assert _acl_denials(rc) == {}
+
+
+def _command_names(admin) -> list[str]:
+    """Every command and subcommand of the server (``COMMAND``), as ``name`` or ``name|sub``."""
+    names: dict[str, int] = {}
+    for name, info in admin.command().items():
+        names[str(name)] = int(info.get("arity", 1))
+        for sub in info.get("subcommands", []) or []:  # raw COMMAND rows: [name, arity, flags, ...]
+            names[str(sub[0]).lower()] = int(sub[1])
+    return sorted(names.items())
+
+
+# exactly what the trainers' code sends; ``ACL DRYRUN`` of every other command of the server is refused
+TRAINER_ALLOWED = {"get", "exists", "hgetall", "info", "dbsize", "ping", "auth", "hello", "cluster|slots",
+                   "cluster|shards", "cluster|info", "client|setname",
+                   # never subject to the ACL: they only close / reset the caller's own connection
+                   "quit", "reset"}
+
+
+@needs_redis
+def test_trainer_role_is_allowed_exactly_its_read_commands_command_by_command(roles_cluster) -> None:
+    """The server's whole command table, subcommands included, one ``ACL DRYRUN`` each as the trainer on
+    a sample key: the allowed set is exactly :data:`TRAINER_ALLOWED` -- no write, expiry or delete."""
+    import redis
+
+    rc = roles_cluster
+    admin = redis.Redis(port=rc.masters[0].port, username=ADMIN, password=rc.password(ADMIN),
+                        decode_responses=True)
+    try:
+        allowed, checked = set(), 0
+        for full, arity in _command_names(admin):
+            top, _, sub = full.partition("|")
+            given = [top] + ([sub] if sub else [])
+            # the arity (at least that many for a negative one), every argument a sample key
+            args = given + ["dc:0123456789abcdef:t32:0"] * max(abs(arity) - len(given), 0)
+            try:
+                reply = admin.execute_command("ACL", "DRYRUN", TRAINER, *args)
+            except redis.ResponseError as e:  # a malformed probe is a refusal of nothing: count it apart
+                reply = str(e)
+            checked += 1
+            if str(reply) == "OK":
+                allowed.add(full)
+        assert checked > 200, checked  # Redis 7 has ~240 commands and subcommands: the table was walked
+        assert allowed == TRAINER_ALLOWED, sorted(allowed ^ TRAINER_ALLOWED)
+    finally:
+        admin.close()
+
+
+@needs_redis
+def test_a_compromised_trainer_cannot_poison_fill_or_erase_samples(roles_cluster, tmp_path) -> None:
+    """Issue 35, reproduction 2 and 3 as the trainer's credential: a green image under a red cat's key
+    (a valid record), a forged quarantine entry for a good file, junk filling the node, ``SET ... PX 1``
+    and every other way to write, expire or delete -- all NOPERM for real on the master that owns the
+    key; a fresh victim process still gets the red cat from the cache, and the good file is not skipped."""
+    import numpy as np
+    import redis
+
+    from client.dataset import CachedImageNet
+    from datacache.quarantine import quarantine_value
+    from datacache.record import encode_record
+    from datacache.warm import warm_cache
+
+    rc = roles_cluster
+    src = tmp_path / "ds"
+    for c, rgb in (("cat", (220, 20, 20)), ("dog", (20, 20, 220))):
+        (src / c).mkdir(parents=True)
+        for i in range(2):
+            from PIL import Image
+
+            Image.new("RGB", (64, 48), rgb).save(src / c / f"{i}.png")
+    rep = warm_cache(str(src), rc.url(DAEMON), workers=1, short_side=32, t1_dir=None, progress=False)
+    assert rep.decoded == 4 and rep.write_errors == 0
+    victim_view = CachedImageNet(str(src), cache=rc.url(TRAINER), short_side=32, t1_dir=None)
+    key, qkey = victim_view.key(0), victim_view.reader.qkey(1)
+    green = np.zeros((32, 42, 3), np.uint8)
+    green[..., 1] = 255
+    forged = encode_record(green, 0, victim_view.variant, key=key)  # a valid (unkeyed) record
+    forged_q = quarantine_value(victim_view.manifest.paths[1], victim_view.manifest.identity(1), "forged")
+    # one connection per master (the ACL is checked before the slot's owner: every master refuses)
+    attackers = [redis.Redis(port=m.port, username=TRAINER, password=rc.password(TRAINER))
+                 for m in rc.masters]
+    try:
+        attempts = [("SET", key, forged), ("SET", qkey, forged_q), ("SET", key, b"x", "PX", "1"),
+                    ("SET", b"dc:junk:1", b"\0" * 100_000), ("GETEX", key, "PX", "1"), ("GETDEL", key),
+                    ("PEXPIRE", key, "1"), ("EXPIRE", key, "1"), ("APPEND", key, b"x"),
+                    ("SETRANGE", key, "0", b"x"), ("PSETEX", key, "1", b"x"), ("SETEX", key, "1", b"x"),
+                    ("MSET", key, b"x"), ("SETNX", b"dc:junk:2", b"x"), ("DEL", key), ("UNLINK", key),
+                    ("RESTORE", b"dc:junk:3", "0", b"x"), ("COPY", key, b"dc:junk:4"), ("PERSIST", key),
+                    ("INCR", b"dc:junk:5"), ("LPUSH", b"dc:junk:6", b"x"), ("HSET", b"dcq:junk", "a", "b")]
+        for attacker in attackers:
+            for cmd in attempts:
+                with pytest.raises(redis.exceptions.NoPermissionError):
+                    attacker.execute_command(*cmd)
+    finally:
+        for attacker in attackers:
+            attacker.close()
+    victim = CachedImageNet(str(src), cache=rc.url(TRAINER), short_side=32, t1_dir=None)
+    out = victim.__getitems__([0, 1, 2, 3])
+    cat = out[0][0].permute(1, 2, 0).numpy()
+    assert out[0][1] == 0 and (cat[..., 0] > 200).all() and (cat[..., 1] < 40).all()  # red, not green
+    st = victim.stats()
+    assert st["hits"] == 4 and st["decoded"] == 0 and not victim.quarantined, st
+
+
+@needs_redis
+def test_the_daemon_rechecks_a_quarantine_entry_it_did_not_make(roles_cluster, tmp_path) -> None:
+    """A valid-looking quarantine entry for a good file (written here as admin: a stale verdict, or one
+    from a writer gone wrong) does not count as done for a daemon: it decodes the file itself, fills the
+    sample, and the trainer reads it; a really bad file is remembered and counted once."""
+    import redis
+
+    from client.dataset import CachedImageNet
+    from datacache.devtools import synth
+    from datacache.quarantine import quarantine_value
+
+    rc = roles_cluster
+    src = str(tmp_path / "ds")
+    synth.make_imagefolder(src, classes=2, per_class=3, size=(96, 80), seed=5)
+    (tmp_path / "ds" / "c001" / "zz-bad.JPEG").write_bytes(b"\xff\xd8\xff\xe0" + b"\x13" * 500)
+    ds = CachedImageNet(src, cache=rc.url(TRAINER), short_side=32, t1_dir=None)
+    man = ds.manifest
+    admin = redis.cluster.RedisCluster(host="127.0.0.1", port=rc.masters[0].port, username=ADMIN,
+                                       password=rc.password(ADMIN))
+    try:
+        for i in range(len(ds)):  # every file "known bad", good ones included
+            stale = quarantine_value(man.paths[i], man.identity(i), "cannot decode: stale")
+            admin.set(ds.reader.qkey(i), stale)
+    finally:
+        admin.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "cache_daemon", "--cache", rc.url(DAEMON), "--node", "n0", "--dataset", src,
+         "--short-side", "32", "--http-port", "0", "--workers", "1", "--once", "--no-progress",
+         "--poll-interval", "1", "--ownership", "all"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-3000:]
+    victim = CachedImageNet(src, cache=rc.url(TRAINER), short_side=32, t1_dir=None)
+    victim.__getitems__(list(range(len(ds))))
+    st = victim.stats()
+    assert st["decoded"] == 0 and st["t2"]["known_bad"] == 1 and st["substituted"] == 1, st
+    assert list(victim.quarantined) == ["c001/zz-bad.JPEG"]
+    assert "stale" not in victim.quarantined["c001/zz-bad.JPEG"]  # the daemon's own verdict replaced it
 
 
 @needs_redis

@@ -13,7 +13,7 @@ from datacache.config import ConfigError
 from datacache.record import decode_record, encode_record
 from datacache.stores import open_store
 from datacache.stores.redis_cluster import RedisClusterStore, key_slots
-from tests.redis_utils import cli, needs_redis
+from tests.redis_utils import cli, flushall, needs_redis, private
 
 pytestmark = needs_redis
 
@@ -33,7 +33,7 @@ def _round_trips(port: int) -> int:
 
 
 def test_standalone_round_trip_nx_contains_and_byte_capped_reads(redis_url: str, redis_server) -> None:
-    s = open_store(redis_url + "?fetch_bytes=20000")
+    s = open_store(redis_url + "&fetch_bytes=20000")
     items = [rec(i) for i in range(40)]  # ~4.9 KB each: 20 KB per round trip = ~4 keys
     assert s.put_many(items) == 40
     assert s.put_many([(items[0][0], b"other")]) == 0  # SET NX keeps the first value
@@ -103,7 +103,7 @@ def test_wrong_password_or_acl_user_is_a_clear_error_at_open(tmp_path, small_ima
             with pytest.raises(ConfigError, match=r"(?s)Wrong password or ACL user.*user:password@") as ei:
                 CachedImageNet(small_imagefolder, cache=bad, short_side=32, t1_dir=None)
             assert "wrong" not in str(ei.value) and "s3cret" not in str(ei.value)  # never echoed
-        good = f"redis://trainer:s3cret@{srv.addr}/0"
+        good = private(f"redis://trainer:s3cret@{srv.addr}/0")
         ds = CachedImageNet(small_imagefolder, cache=good, short_side=32, t1_dir=None)
         assert "s3cret" not in repr(ds) and "trainer:***@" in ds.cache_url
         _img, label = ds[0]
@@ -117,7 +117,7 @@ def test_unreachable_server_warns_at_open_and_serves_from_the_source(small_image
     from datacache.devtools.redis_local import free_port
 
     with caplog.at_level(logging.WARNING):
-        url = f"redis://127.0.0.1:{free_port()}/0"
+        url = private(f"redis://127.0.0.1:{free_port()}/0")
         ds = CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
     assert "not reachable now" in caplog.text
     assert len(ds.__getitems__(list(range(6)))) == 6
@@ -165,7 +165,7 @@ def test_maxmemory_below_the_dataset(tmp_path, imagefolder_factory, policy: str,
     root = imagefolder_factory(classes=3, per_class=30, size=(213, 160))
     srv = start_server(str(tmp_path / "mm"), maxmemory="4mb", policy=policy)
     try:
-        ds = CachedImageNet(root, cache=f"redis://{srv.addr}/0", short_side=160, t1_dir=None)
+        ds = CachedImageNet(root, cache=private(f"redis://{srv.addr}/0"), short_side=160, t1_dir=None)
         with caplog.at_level(logging.WARNING):
             for _ in range(2):
                 for s in range(0, len(ds), 8):
@@ -216,7 +216,7 @@ def test_rediss_tls_end_to_end(tmp_path, small_imagefolder: str) -> None:
             "--tls-auth-clients", "no"]
     srv = RedisServer(port, str(d / "run"), args).start()
     try:
-        url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={d / 'ca.pem'}"
+        url = private(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={d / 'ca.pem'}")
         ds = CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
         first = ds.__getitems__(list(range(8)))
         assert ds.flush(10) and ds.stats()["decoded"] == 8
@@ -229,3 +229,35 @@ def test_rediss_tls_end_to_end(tmp_path, small_imagefolder: str) -> None:
         assert len(bad.__getitems__([0, 1])) == 2 and bad.stats()["t2"]["unavailable"] >= 2
     finally:
         srv.stop()
+
+
+def test_a_reader_never_writes_a_shared_tier_unless_told(redis_server, tmp_path, small_imagefolder: str,
+                                                           caplog) -> None:
+    """Trainers read, daemons write, as the client's own policy (not only the ACL's): on a Redis whose
+    default user may write, CachedImageNet serves its misses without one write (the server stays empty,
+    no write error); in a chain the local LMDB tier is still written; ``?write_back=1`` opts back in."""
+    import logging
+
+    from client.dataset import CachedImageNet
+
+    flushall(redis_server.port)
+    url = f"redis://{redis_server.addr}/0"
+    with caplog.at_level(logging.INFO, logger="datacache.readthrough"):
+        ds = CachedImageNet(small_imagefolder, cache=url, short_side=32, t1_dir=None)
+        assert len(ds.__getitems__(list(range(8)))) == 8 and ds.flush(10)
+    st = ds.stats()
+    assert st["decoded"] == 8 and st["t2"]["written"] == 0 and st["t2"]["write_errors"] == 0, st
+    assert int(cli(redis_server.port, "dbsize")) == 0
+    assert "trainers read, daemons write" in caplog.text  # said once, with what to do
+    chained = CachedImageNet(small_imagefolder, cache=f"lmdb://{tmp_path}/near::{url}", short_side=32,
+                             t1_dir=None)
+    chained.__getitems__(list(range(8)))
+    assert chained.flush(10) and chained.stats()["t2"]["written"] == 8  # the local tier
+    assert int(cli(redis_server.port, "dbsize")) == 0
+    again = CachedImageNet(small_imagefolder, cache=f"lmdb://{tmp_path}/near::{url}", short_side=32,
+                           t1_dir=None)
+    again.__getitems__(list(range(8)))
+    assert again.stats()["decoded"] == 0 and int(cli(redis_server.port, "dbsize")) == 0
+    mine = CachedImageNet(small_imagefolder, cache=url + "?write_back=1", short_side=32, t1_dir=None)
+    mine.__getitems__(list(range(8)))
+    assert mine.flush(10) and int(cli(redis_server.port, "dbsize")) == 8

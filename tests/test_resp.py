@@ -25,7 +25,7 @@ def test_an_arena_is_reused_only_after_every_view_of_it_is_gone() -> None:
 
 
 def test_values_held_across_reads_are_never_overwritten(redis_url: str) -> None:
-    store = open_store(redis_url + "?fetch_bytes=65536")  # several round trips (arenas) per call
+    store = open_store(redis_url + "&fetch_bytes=65536")  # several round trips (arenas) per call
     items = [(b"resp:%d" % i, os.urandom(20_000 + i)) for i in range(40)]
     store.put_many(items, overwrite=True)
     keys = [k for k, _ in items]

@@ -122,6 +122,7 @@ def test_password_and_password_file_together_are_refused(tmp_path) -> None:
 
     f = tmp_path / "pw"
     f.write_text("from-the-file\n")
+    os.chmod(f, 0o600)  # a secret file must be private (read_secret_file refuses 0644)
     spec = parse_cache_url(f"redis://u:inline@h:1/0?password_file={f}").store
     with pytest.raises(ConfigError, match="at once"):
         connection_kwargs(spec, tls=False)
@@ -132,6 +133,7 @@ def test_password_and_password_file_together_are_refused(tmp_path) -> None:
         connection_kwargs(missing, tls=False)
     assert str(tmp_path / "nope") in str(ei.value)
     (tmp_path / "empty").write_text("\n")
+    os.chmod(tmp_path / "empty", 0o600)
     with pytest.raises(ConfigError, match="empty"):
         connection_kwargs(parse_cache_url(f"redis://u@h:1/0?password_file={tmp_path / 'empty'}").store,
                           tls=False)
@@ -299,6 +301,7 @@ def test_log_handlers_mask_secrets_read_from_files(tmp_path) -> None:
 
     f = tmp_path / "token"
     f.write_text("tok/en with spaces 9f3c7a\n")
+    os.chmod(f, 0o600)
     secret = read_secret_file(str(f), what="test")
     buf = io.StringIO()
     logger = logging.getLogger("datacache.test.scrub")

@@ -56,7 +56,7 @@ def test_chained_url_opens_a_tiered_store(tmp_path) -> None:
 @needs_redis
 def test_slow_remote_never_stalls_and_full_queue_drops(tmp_path, redis_server, redis_url: str) -> None:
     local = LMDBStore(str(tmp_path / "local"))
-    remote = open_store(redis_url + "?socket_timeout=10")
+    remote = open_store(redis_url + "&socket_timeout=10")
     t = TieredStore([local, remote], queue_batches=2)
     # a really slow Redis: every client is paused for 1.5 s (real server-side pause, no mock)
     assert cli(redis_server.port, "client", "pause", "1500", "all") == "OK"

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from tests.dist_utils import RecordingBatchSampler, run_distributed
-from tests.redis_utils import cli, needs_redis, slot_owners
+from tests.redis_utils import cli, needs_redis, private, slot_owners
 from trainer.train_config import make_config
 
 pytestmark = needs_redis
@@ -108,7 +108,7 @@ def test_every_sample_once_equal_batches_and_bytes_per_rank(digits_data, redis_c
 
 @pytest.mark.slow
 def test_mid_epoch_resume_is_bit_exact_across_a_reshard(digits_data, fresh_cluster, tmp_path) -> None:
-    url = fresh_cluster.url
+    url = private(fresh_cluster.url)
     keys = _fill(digits_data["val"], url)
     masters = [fresh_cluster.masters[0].addr, fresh_cluster.masters[1].addr]
     cfg = _cfg(digits_data, url, str(tmp_path / "a"), epochs=1, checkpoint_every=2, comm="naive_ag",

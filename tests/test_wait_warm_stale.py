@@ -6,7 +6,7 @@ import pytest
 
 from client.dataset import CachedImageNet
 from datacache.fillstatus import report_fill, status_key
-from tests.redis_utils import needs_redis
+from tests.redis_utils import needs_redis, private
 
 pytestmark = needs_redis
 
@@ -18,7 +18,7 @@ def _fill(ds: CachedImageNet) -> None:
 
 def test_master_restarted_empty_makes_wait_warm_wait(fresh_cluster, imagefolder_factory) -> None:
     root = imagefolder_factory(classes=3, per_class=20, size=(64, 48))
-    ds = CachedImageNet(root, cache=fresh_cluster.url, short_side=32, t1_dir=None)
+    ds = CachedImageNet(root, cache=private(fresh_cluster.url), short_side=32, t1_dir=None)
     n = len(ds)
     store = ds.store.tiers[0]
     fp, tag = ds.manifest.fingerprint, ds.variant.tag()
@@ -36,6 +36,7 @@ def test_master_restarted_empty_makes_wait_warm_wait(fresh_cluster, imagefolder_
     with pytest.raises(TimeoutError, match="sampled keys are not in the cache"):
         ds.wait_warm(timeout=1.5, poll=0.1)
 
-    _fill(CachedImageNet(root, cache=fresh_cluster.url, short_side=32, t1_dir=None))  # a warm run refills
+    # a warm run refills (a private cluster: the client writes back)
+    _fill(CachedImageNet(root, cache=private(fresh_cluster.url), short_side=32, t1_dir=None))
     report = ds.wait_warm(timeout=10, poll=0.1)
     assert report["full"] and report["verified"]["missing"] == 0 and report["oldest_report_s"] is not None

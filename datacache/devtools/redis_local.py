@@ -8,7 +8,11 @@ Nothing here is a mock: these are the Debian ``redis-server`` 7 binaries.
 
 ``up`` uses only a new or empty directory, or one carrying its marker file from an earlier ``up``
 (a non-empty directory without it is refused, untouched), and ``down`` removes only the files ``up``
-wrote there. ``status`` prints one line per node (:mod:`datacache.devtools.local_status`).
+wrote there. The directory (default ``<tmp>/datacache-local-cluster-<uid>``, :func:`default_dir`) must
+be this user's, not writable by others, under no directory others can write without the sticky bit
+(:mod:`datacache.ownership`); logs, marker and state are opened without following symlinks, and
+``down`` signals a recorded pid only when it is this user's redis-server in that node's directory.
+``status`` prints one line per node (:mod:`datacache.devtools.local_status`).
 
 The ``up`` cluster has no password-less access: its masters run with the default user off and the three
 roles of :mod:`datacache.redis_roles` (``admin``, ``datacache-daemon``, ``datacache``), whose random
@@ -40,6 +44,14 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 from datacache.make_secrets import ensure_passwords, password_file
+from datacache.ownership import (
+    ancestors_problem,
+    dir_problem,
+    ensure_private_dir,
+    open_private_append,
+    open_private_read,
+    pid_is_ours,
+)
 from datacache.redis_roles import ADMIN, ROLES, RolesError, server_acl_args
 
 
@@ -112,16 +124,22 @@ class RedisServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        os.makedirs(self.workdir, exist_ok=True)
-        log = open(os.path.join(self.workdir, "redis.log"), "ab")  # noqa: SIM115 (lives with the process)
-        self.proc = subprocess.Popen(["redis-server", *self.args], cwd=self.workdir, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        _, why = ensure_private_dir(self.workdir, what="redis-server directory")
+        if why:
+            raise RuntimeError(why)
+        # O_NOFOLLOW + owner check on the descriptor: a redis.log symlink planted here must never make
+        # us (root, say) append the server's log to the file it names
+        log = open_private_append(os.path.join(self.workdir, "redis.log"), what="redis-server log")
+        try:
+            self.proc = subprocess.Popen(["redis-server", *self.args], cwd=self.workdir, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            os.close(log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                with open(os.path.join(self.workdir, "redis.log"), errors="replace") as f:
-                    tail = f.read()[-2000:]
+                with os.fdopen(open_private_read(os.path.join(self.workdir, "redis.log")), "rb") as f:
+                    tail = f.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"redis-server on port {self.port} exited at start:\n{tail}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
                 s.sendall(b"PING\r\n")
@@ -283,18 +301,31 @@ SECRETS = "secrets"  # DIR/secrets/<role>.pass (0600), made by `up` unless alrea
 _SECRET_NAMES = frozenset(os.path.basename(password_file("", r)) for r in ROLES)  # what down may remove
 
 
+def default_dir() -> str:
+    """The default cluster directory: ``<temporary directory>/datacache-local-cluster-<uid>``.
+
+    Per user (never one fixed name in the shared ``/tmp`` that another user could create first and fill
+    with a marker, passwords and symlinks), and the same in every context of that user (login shell,
+    sudo -u, cron, CI), which ``$XDG_RUNTIME_DIR`` is not: it is unset outside login sessions and removed
+    at logout while the servers keep running. The name is predictable, so another user can still create
+    it first: :func:`claim_dir` then refuses it (owner check), and DIR / --dir picks another."""
+    return os.path.join(tempfile.gettempdir(), f"datacache-local-cluster-{os.geteuid()}")
+
+
 def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """A JSON state file of ours (no symlink followed, owned by this user); OSError otherwise."""
+    with os.fdopen(open_private_read(path, what="local cluster state file"), "rb") as f:
+        got = json.loads(f.read(1 << 20))
+    if not isinstance(got, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return got
 
 
-def _is_redis_server(pid: int) -> bool:
-    """Whether ``pid`` is alive and a redis-server (a recorded pid may since belong to another process)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"redis-server" in f.read()
-    except OSError:
-        return False
+def _is_our_server(pid: object, path: str, port: int) -> bool:
+    """Whether ``pid`` (read from cluster.json: anything) is the redis-server we started for ``port``: a
+    live process of this user whose program is redis-server and whose working directory is that node's
+    directory. A pid someone wrote into the state file, or one the kernel reused, is never signalled."""
+    return pid_is_ours(pid, exe_name="redis-server", cwd=os.path.join(path, f"node-{port}"))
 
 
 def _pings(port: int) -> bool:
@@ -304,26 +335,45 @@ def _pings(port: int) -> bool:
     return False
 
 
+def _dir_refusal(path: str) -> str | None:
+    """Why ``path`` is not a directory this user alone controls (one line), or None."""
+    why = ancestors_problem(path, what="the local cluster directory") or \
+        dir_problem(path, what="the local cluster directory")
+    return f"{why} (set DIR / --dir to another directory)" if why else None
+
+
 def claim_dir(path: str) -> str | None:
     """Make ``path`` the cluster's directory, or say why not (one line).
 
-    A directory is used only when it is new, empty, or carries :data:`MARKER` from an earlier `up`: the
-    tool never writes into (let alone cleans) a directory holding someone else's files. The marker
-    records whether `up` created the directory, so `down` removes the directory itself only then."""
+    A directory is used only when it is owned by this user, not writable by group or others, reached
+    through no directory another user can write (:func:`ancestors_problem`), and new, empty, or carrying
+    :data:`MARKER` (a regular file of ours) from an earlier `up`: the tool never writes into (let alone
+    cleans) a directory holding someone else's files, nor one another user prepared -- with its own
+    marker, password files and symlinks. A new directory is created mode 0700. The marker records
+    whether `up` created the directory, so `down` removes the directory itself only then."""
+    why = ancestors_problem(path, what="the local cluster directory")
+    if why:
+        return f"{why} (set DIR / --dir to another directory)"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    why = ancestors_problem(path, what="the local cluster directory")  # again: parents made just now
+    if why:
+        return f"{why} (set DIR / --dir to another directory)"
+    created, why = ensure_private_dir(path, what="the local cluster directory")
+    if why:
+        return f"{why} (set DIR / --dir to another directory)"
     marker = os.path.join(path, MARKER)
-    if os.path.exists(marker):
-        return None
-    if os.path.isdir(path):
+    if not created:
+        if os.path.lexists(marker):
+            try:
+                os.close(open_private_read(marker, what="the local cluster marker"))
+            except OSError as e:
+                return f"{e.strerror or e} (set DIR / --dir to another directory)"
+            return None
         if os.listdir(path):
             return (f"{path} is not empty and was not created by the local cluster (no {MARKER} in it); "
                     f"refusing to use it: set DIR / --dir to a new or empty directory")
-        created = False
-    elif os.path.exists(path):
-        return f"{path} exists and is not a directory: set DIR / --dir to a new or empty directory"
-    else:
-        os.makedirs(path)
-        created = True
-    with open(marker, "w") as f:
+    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
         json.dump({"created_dir": created}, f)
     return None
 
@@ -368,21 +418,40 @@ def _remove_own(path: str, ports: list[int], secrets: list[str] | None = None,
             os.rmdir(path)
 
 
+def _ports_of(rec: dict) -> list[int]:
+    """The recorded ports that are ports (a tampered "../x" must never become a path to remove)."""
+    return [p for p in rec.get("ports", [])
+            if isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536]
+
+
 def _down(path: str) -> int:
     state = os.path.join(path, STATE)
-    if not os.path.exists(os.path.join(path, MARKER)):
+    if not os.path.lexists(path) or (os.path.isdir(path) and not os.path.islink(path)
+                                     and not os.path.lexists(os.path.join(path, MARKER))):
         print(f"no local cluster in {path} (no {MARKER}); nothing stopped or removed")
         return 0
-    rec = _load(state) if os.path.exists(state) else {"pids": [], "ports": []}
-    pids = [p for p in rec.get("pids", []) if _is_redis_server(p)]
-    for pid in pids:
+    why = _dir_refusal(path)
+    if why:  # another user's directory (or one others can write): stop nothing, remove nothing
+        print(why, file=sys.stderr)
+        return 2
+    try:
+        os.close(open_private_read(os.path.join(path, MARKER), what="the local cluster marker"))
+        rec = _load(state) if os.path.lexists(state) else {"pids": [], "ports": []}
+    except (OSError, ValueError) as e:
+        msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"{msg}; nothing stopped or removed", file=sys.stderr)
+        return 2
+    ports = _ports_of(rec)
+    # signal only a pid proven ours: this user's redis-server running in that port's node directory
+    pids = [(pid, port) for pid, port in zip(rec.get("pids", []), ports, strict=False)
+            if _is_our_server(pid, path, port)]
+    for pid, _ in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
-    while any(_is_redis_server(p) for p in pids) and time.monotonic() < deadline:
+    while any(_is_our_server(p, path, port) for p, port in pids) and time.monotonic() < deadline:
         time.sleep(0.05)  # wait for the exit, so the node files can go and the ports are free again
-    _remove_own(path, rec.get("ports", []), list(rec.get("secrets", [])),
-                bool(rec.get("secrets_dir_created")))
+    _remove_own(path, ports, list(rec.get("secrets", [])), bool(rec.get("secrets_dir_created")))
     print("stopped the local cluster")
     return 0
 
@@ -398,11 +467,12 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
         return 2
     state = os.path.join(path, STATE)
     ports = [base_port + i for i in range(masters)]
-    rec = _load(state) if os.path.exists(state) else {}
     try:
+        rec = _load(state) if os.path.lexists(state) else {}
         sec = ensure_passwords(os.path.join(path, SECRETS))  # reused when there, else made (0600)
-    except RolesError as e:
-        print(f"cannot start the local cluster: {e}", file=sys.stderr)
+    except (RolesError, OSError, ValueError) as e:
+        msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"cannot start the local cluster: {msg}", file=sys.stderr)
         return 1
     own = {"secrets": sorted(set(rec.get("secrets", [])) | set(sec.created)),
            "secrets_dir_created": bool(rec.get("secrets_dir_created")) or sec.created_dir}
@@ -411,7 +481,10 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
             print(f"{path} holds a local cluster on ports {rec.get('ports')}, not {ports}: run `down` first "
                   "or use another directory", file=sys.stderr)
             return 1
-        alive = [_is_redis_server(pid) and _pings(port) for pid, port in zip(rec["pids"], ports, strict=True)]
+        old = list(rec["pids"])[:len(ports)]
+        old += [0] * (len(ports) - len(old))
+        alive = [_is_our_server(pid, path, port) and _pings(port)
+                 for pid, port in zip(old, ports, strict=True)]
         if all(alive):
             print(rec["url"])
             print(f"all {len(ports)} masters already running: {rec['url']}", file=sys.stderr)
@@ -419,7 +492,7 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
         # some masters died: start each again on its port with its nodes.conf (it keeps its slots and
         # rejoins; its memory is gone, which its daemon refills)
         cl = LocalCluster(workdir=path, admin_password=sec.passwords[ADMIN])
-        pids = list(rec["pids"])
+        pids = old
         for i, port in enumerate(ports):
             srv = RedisServer(port, os.path.join(path, f"node-{port}"),
                               server_args(port, cluster=True, maxmemory=maxmemory, roles=sec.passwords))
@@ -432,8 +505,8 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
         cl.wait_ok()
         print(cl.url)
         return 0
-    if rec.get("ports"):  # an earlier `up` failed before its cluster existed: start over on our own files
-        _remove_own_nodes(path, rec["ports"])
+    if _ports_of(rec):  # an earlier `up` failed before its cluster existed: start over on our own files
+        _remove_own_nodes(path, _ports_of(rec))
     # the ports (and our password files) first, so `down` finds the files of a failed start
     _write_state(state, "", [], ports, own)
     cl = start_cluster(path, masters, ports=ports, maxmemory=maxmemory, roles=sec.passwords)
@@ -444,7 +517,10 @@ def _up(path: str, masters: int, base_port: int, maxmemory: str) -> int:
 
 def _write_state(state: str, url: str, pids: list[int], ports: list[int], own: dict | None = None) -> None:
     tmp = state + ".tmp"
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a leftover (or a planted link): removed, never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
         json.dump({"url": url, "pids": pids, "ports": ports, **(own or {})}, f)
     os.replace(tmp, state)
 
@@ -459,8 +535,10 @@ def main(argv: list[str] | None = None) -> int:
                                              "uses only a new or empty directory (or its own from an "
                                              "earlier `up`); `down` removes only the files `up` wrote.")
     ap.add_argument("action", choices=("up", "down", "status", "url"))
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "datacache-local-cluster"),
-                    help="working directory (state file, logs, nodes.conf)")
+    ap.add_argument("--dir", default=default_dir(),
+                    help="working directory (state file, logs, nodes.conf); default "
+                         "<tmp>/datacache-local-cluster-<uid>; it must be this user's and not writable by "
+                         "others")
     ap.add_argument("--masters", type=int, default=3)
     ap.add_argument("--base-port", type=int, default=7000, help="masters on base-port .. base-port+N-1")
     ap.add_argument("--maxmemory", default="1gb", help="memory budget per master (default 1gb)")

@@ -32,18 +32,28 @@ from datacache.stores.schemes import scheme_factory
 __all__ = ["BaseStore", "LMDBStore", "MemoryStore", "Store", "open_store"]
 
 
-def open_store(url: str | CacheSpec | StoreSpec, *, background_writes: bool = False) -> Any:
+def open_store(url: str | CacheSpec | StoreSpec, *, background_writes: bool = False,
+               reader: bool = False) -> Any:
     """Open the cache ``url`` names, in the process that will use it. One tier opens as itself, with
     synchronous, acknowledged writes (what the daemon and ``datacache warm`` want, also for Redis); a
     ``::`` chain opens as a :class:`~datacache.tiered.TieredStore`. ``background_writes=True`` (the read
     path of ``CachedImageNet``) also puts a lone remote tier behind the TieredStore's background
     write-back queue, so a miss's write-back never waits for the network. A bad URL raises ConfigError
-    naming the part."""
+    naming the part.
+
+    ``reader=True`` (``CachedImageNet``'s read path): **trainers read, daemons write** -- every remote
+    (shared) tier opens read-only unless its URL says ``?write_back=1`` (a Redis that is the user's
+    alone); local tiers (LMDB, memory) stay writable, so the embedded cache keeps its write-back."""
     if isinstance(url, StoreSpec):
         tiers: tuple[StoreSpec, ...] = (url,)
     else:
         tiers = (url if isinstance(url, CacheSpec) else parse_cache_url(url)).tiers
     stores = [scheme_factory(t) for t in tiers]
+    if reader:
+        for st, t in zip(stores, tiers):
+            if getattr(st, "remote", False) and not t.option("write_back", False):
+                # never a write to a shared tier: BaseStore.put_many refuses, TieredStore skips it
+                st.readonly = True
     if len(stores) == 1 and not (background_writes and getattr(stores[0], "remote", False)):
         return stores[0]
     from datacache.tiered import TieredStore

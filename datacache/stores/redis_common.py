@@ -61,6 +61,10 @@ COMMON_OPTIONS: dict[str, OptionSpec] = {
     "ssl_keyfile": OptionSpec("str", "client key file (TLS)"),
     "ssl_cert_reqs": OptionSpec("str", "none, optional or required (TLS, default required)"),
     "ssl_check_hostname": OptionSpec("bool", "check the server's hostname (TLS)"),
+    # trainers read, daemons write: CachedImageNet never writes a shared tier unless its owner says so
+    "write_back": OptionSpec("bool", "CachedImageNet writes its misses back to this tier (default no: the "
+                             "daemons fill a shared cache, and the trainers' ACL role cannot write; yes only "
+                             "for a Redis that is yours alone, with a credential that may SET)"),
 }
 # redis+cluster:// only: the master on this node, so reads are counted as local or remote bytes
 LOCAL_OPTION = {"local": OptionSpec("str", "host:port of the master on this node (counts local_bytes / "
@@ -175,9 +179,15 @@ def is_auth_error(exc: BaseException) -> bool:
 def advice(exc: BaseException, url: str) -> str:
     """What to do about a Redis failure (used in the one warning per store and process)."""
     text = str(exc)
+    import redis.exceptions as rex
+
+    if isinstance(exc, rex.NoPermissionError) or "NOPERM" in text or "no permissions" in text:
+        return (f"The ACL user of {url} may not do this. Trainers read, daemons write: the trainers' role "
+                "(datacache) reads only; filling the cache (the daemon, datacache warm) needs the daemons' "
+                "role (the ACL user datacache-daemon and its password file; docs/security.md).")
     if is_auth_error(exc):
         return (f"Wrong password or ACL user for {url}: put the right user:password@ in the cache URL, or "
-                "grant the ACL user ~dc:* ~dcq:* ~dcd:* and +@read +@write.")
+                "the ACL user and ?password_file= (python -m datacache.make_secrets makes one per role).")
     if "OOM" in text or "maxmemory" in text:
         return ("Redis refuses writes at its memory budget (maxmemory with maxmemory-policy noeviction, the "
                 "default MinIO policy: the cache keeps what it has, the rest is served from the source). "
