@@ -62,6 +62,8 @@ def make_metrics(daemon: Any) -> Any:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+    from datacache.redact import redact_text
+
     per_dataset = [  # (metric, kind, help, field of DatasetState.as_json())
         ("datacache_daemon_fill_ratio", "gauge", "cached / owned samples", "fill"),
         ("datacache_daemon_owned_samples", "gauge", "samples this node owns", "owned"),
@@ -78,8 +80,8 @@ def make_metrics(daemon: Any) -> Any:
             for name, kind, doc, key in per_dataset:
                 family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                     name, doc, labels=["dataset", "variant"])
-                for s in states:
-                    family.add_metric([s["source"], s["variant"]], s[key])
+                for s in states:  # labels are public (any scraper): redacted whatever the state holds
+                    family.add_metric([redact_text(s["source"]), redact_text(s["variant"])], s[key])
                 yield family
             for name, doc, value in (
                     ("datacache_daemon_store_up", "1 when the cache store answers (every master of it)",

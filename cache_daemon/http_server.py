@@ -6,8 +6,11 @@ seconds in all, not per read (:class:`DeadlineReader`), or the connection is clo
 connection evicts the one that has been waiting longest for its request (a slowloris connection, an idle
 keep-alive), so a probe always gets through -- and when every connection is being answered it waits up
 to :data:`ADMIT_WAIT_S` for one to finish, then gets a 503. :class:`Handler` answers JSON, refuses every
-malformed request with a 4xx JSON error (never a traceback or a dropped connection) and reads bodies of
-at most :data:`MAX_BODY` bytes; the daemon's routes are in :mod:`cache_daemon.http`.
+malformed request with a 4xx JSON error (never a traceback or a dropped connection; a request line that is
+not ``METHOD target HTTP/x.y`` -- HTTP/0.9's ``GET /`` included -- gets 400 at once) and reads bodies of
+at most :data:`MAX_BODY` bytes; every JSON answer goes through :func:`datacache.redact.redact_json`
+(no URL password or credential query parameter is ever sent); the daemon's routes are in
+:mod:`cache_daemon.http`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from datacache.redact import redact_json
 
 log = logging.getLogger("cache_daemon.http")
 MAX_BODY = 64 << 10
@@ -238,6 +243,20 @@ class Handler(BaseHTTPRequestHandler):
         self.command, self.requestline, self.request_version = "", "", "HTTP/0.9"  # until parsed
         super().handle_one_request()  # a TimeoutError (deadline, eviction) closes the connection quietly
 
+    def parse_request(self) -> bool:
+        # The stdlib takes a two-word line ("GET /", no version) as HTTP/0.9 and then waits for headers
+        # that an HTTP/0.9 client never sends: the connection would be held until the deadline. Every line
+        # that is not "METHOD target HTTP/x.y" (an empty line too) is answered 400 at once and closed.
+        # (Longer lines, bad versions and oversize lines are the stdlib's refusals, also immediate.)
+        words = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n").split()
+        if len(words) < 3:
+            self.close_connection = True
+            self.requestline = str(self.raw_requestline[:200], "iso-8859-1").rstrip("\r\n")
+            what = "HTTP/0.9 is not served" if len(words) == 2 else "malformed request line"
+            self.send_error(400, f"{what}: send 'METHOD /path HTTP/1.1' and the headers")
+            return False
+        return super().parse_request()
+
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("%s " + fmt, self.address_string(), *args)
 
@@ -259,7 +278,9 @@ class Handler(BaseHTTPRequestHandler):
             log.debug("answer to %s not delivered: %s", self.address_string(), e)
 
     def _json(self, code: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        self._send(code, (json.dumps(obj, indent=1) + "\n").encode(), headers=headers)
+        # every string of every answer redacted (URL passwords, credential query parameters such as a
+        # SAS sig=, registered secrets), whatever put it there: a source in an error, a pass's dataset id
+        self._send(code, (json.dumps(redact_json(obj), indent=1) + "\n").encode(), headers=headers)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         # the stdlib's own refusals (bad request line, oversize or too many headers, bad version):

@@ -43,7 +43,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from datacache.config import ConfigError
 from datacache.options import parse_bool, parse_size
-from datacache.redact import CACHE_USERINFO_SCHEMES, redact
+from datacache.redact import CACHE_USERINFO_SCHEMES, is_credential_param, redact
 
 __all__ = ["KNOWN_SCHEMES", "MAX_TIERS", "CacheSpec", "OptionSpec", "SchemeSpec", "StoreSpec", "parse_bytes",
            "parse_cache_url", "parse_tier", "redact", "register_scheme", "scheme_spec", "schemes"]
@@ -229,8 +229,11 @@ def parse_tier(text: str, *, url: str | None = None) -> StoreSpec:
         opt = sch.options.get(name)
         if opt is None:
             valid = ", ".join(sorted(sch.options)) or "none"
+            # (url is redacted: a credential parameter's value is never echoed, only its name)
+            hint = ("; a password goes in user:password@ or, better, in a file: user@host?password_file=PATH"
+                    if is_credential_param(name) and "password_file" in sch.options else "")
             raise ConfigError(f"cache URL {url!r}: unknown option {name!r} for {scheme}://; valid options: "
-                              f"{valid}")
+                              f"{valid}{hint}")
         if name in seen:
             raise ConfigError(f"cache URL {url!r}: option {name!r} is given twice")
         seen[name] = opt.coerce(name, value, url)

@@ -265,6 +265,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from datacache.config import default_cache_url
     from datacache.manifest import Manifest, ManifestError
     from datacache.readthrough import manifest_dir_for, shared_store
+    from datacache.redact import redact_text
 
     cache = args.cache or default_cache_url()
     spec = parse_cache_url(cache).store
@@ -288,10 +289,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         try:
             m = Manifest.load(os.path.join(mdir, f))
         except ManifestError as e:
-            print(f"  {f}: unreadable ({e})")
+            print(f"  {f}: unreadable ({redact_text(str(e))})")
             continue
-        print(f"  {m.root}: {len(m)} files, {len(m.classes)} classes, fingerprint {m.fingerprint}"
-              + (f", ignored {m.ignored}" if m.ignored else ""))
+        # a source's credentials (user:password@, a SAS sig=...) are never printed
+        print(f"  {redact_text(m.root)}: {len(m)} files, {len(m.classes)} classes, fingerprint "
+              f"{m.fingerprint}" + (f", ignored {m.ignored}" if m.ignored else ""))
     return 0
 
 

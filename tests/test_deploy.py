@@ -76,6 +76,9 @@ def test_daemon_toml_template_refuses_to_start_until_its_password_file_exists(tm
 COMPOSE = os.path.join(DEPLOY, "docker", "compose.yaml")
 MAKE_SECRETS_CMD = ("python -m datacache.make_secrets deploy/docker/secrets --redis-conf "
                     "deploy/redis/redis.conf")
+# the daemons' API token: a file (Docker secret api_token), never an environment variable
+API_TOKEN_CMD = ("test -s deploy/docker/secrets/api-token || (umask 077; python -c 'import secrets; "
+                 "print(secrets.token_urlsafe(32))' > deploy/docker/secrets/api-token)")
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
@@ -91,6 +94,20 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", sub, value).replace("$$", "$")
 
 
+def _make_api_token(secrets_dir) -> None:
+    """The compose file's documented token command, run as written (python -> this interpreter; the
+    directory -> ``secrets_dir``), twice: the second run keeps the token."""
+    cmd = re.sub(r"(?<![\w/.])python(?= -c )", sys.executable,  # the project's interpreter, not PATH's
+                 API_TOKEN_CMD.replace("deploy/docker/secrets", str(secrets_dir)))
+    assert sys.executable in cmd
+    tokens = []
+    for _ in range(2):
+        subprocess.run(["sh", "-c", cmd], check=True, timeout=60)
+        with open(os.path.join(str(secrets_dir), "api-token")) as f:
+            tokens.append(f.read())
+    assert tokens[0] == tokens[1] and len(tokens[0].strip()) >= 32  # made once, then reused
+
+
 def _compose(tmp_path) -> tuple[dict, dict[str, str]]:
     """The compose file and its secrets as the documented command makes them (in a temp copy of
     deploy/docker/secrets): secret name -> host file."""
@@ -98,6 +115,7 @@ def _compose(tmp_path) -> tuple[dict, dict[str, str]]:
         doc = yaml.safe_load(f)
     out = _make_secrets(tmp_path / "secrets", "--redis-conf", os.path.join(DEPLOY, "redis", "redis.conf"))
     assert out.returncode == 0, out.stderr
+    _make_api_token(tmp_path / "secrets")
     files = {}
     for name, spec in doc["secrets"].items():
         rel = spec["file"]
@@ -112,6 +130,7 @@ def test_compose_file_has_no_password_and_uses_docker_secrets(tmp_path) -> None:
         text = f.read()
     assert MAKE_SECRETS_CMD in text  # documented before `docker compose up`
     assert text.index(MAKE_SECRETS_CMD) < text.index("docker compose -f deploy/docker/compose.yaml up")
+    assert API_TOKEN_CMD in text and text.index(API_TOKEN_CMD) < text.index("docker compose -f")
     assert "CHANGE_ME" not in text and "--pass" not in text and "requirepass" not in text
     assert not re.search(r"redis(\+cluster)?://[^@\s\"]*:[^@\s\"]*@", text)  # no user:password@
     doc, files = _compose(tmp_path)
@@ -133,7 +152,11 @@ def test_compose_file_has_no_password_and_uses_docker_secrets(tmp_path) -> None:
     assert "REDISCLI_AUTH" in " ".join(svc["cluster-create"]["entrypoint"])  # never an argument
     for n in ("daemon-1", "daemon-2", "daemon-3"):
         d = svc[n]
-        assert d["secrets"] == ["datacache_daemon_pass"]
+        assert d["secrets"] == ["datacache_daemon_pass", "api_token"]
+        # the API token is a Docker secret read through api_token_file, never in the environment (which
+        # `docker inspect` shows to anyone allowed to inspect the container)
+        assert d["environment"]["DATACACHE_DAEMON_API_TOKEN_FILE"] == "/run/secrets/api_token"
+        assert not any("TOKEN" in k and not k.endswith("_FILE") for k in d["environment"]), d["environment"]
         assert "/livez" in " ".join(d["healthcheck"]["test"])  # the daemon's own loop alive
         cache = d["environment"]["DATACACHE_DAEMON_CACHE"]
         assert cache.startswith("redis+cluster://datacache-daemon@")  # the daemons' role, not trainers'
@@ -141,7 +164,8 @@ def test_compose_file_has_no_password_and_uses_docker_secrets(tmp_path) -> None:
 
 
 def test_generated_compose_secrets_are_git_ignored() -> None:
-    for name in ("admin.pass", "datacache-daemon.pass", "datacache.pass", "users.acl", "redis.conf"):
+    for name in ("admin.pass", "datacache-daemon.pass", "datacache.pass", "users.acl", "redis.conf",
+                 "api-token"):
         path = os.path.join("deploy", "docker", "secrets", name)
         out = subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, timeout=30)
         assert out.returncode == 0, f"{path} would be committable"
@@ -179,7 +203,10 @@ def test_compose_file_structure_and_daemon_env(tmp_path) -> None:
         for name, path in files.items():
             env = {k: v.replace(f"/run/secrets/{name}", path) for k, v in env.items()}
         cfg = load_config(None, env=env)
-        assert cfg.ownership == "cluster" and cfg.redis_node in addrs and cfg.api_token == ""
+        assert cfg.ownership == "cluster" and cfg.redis_node in addrs
+        with open(files["api_token"]) as f:  # the token comes from the secret file, whole
+            assert cfg.api_token == f.read().strip() and len(cfg.api_token) >= 32
+        assert cfg.allowed_sources == ("/data",)
         nodes.add(cfg.redis_node)
         assert all(p.startswith("127.0.0.1:") for p in d["ports"])  # HTTP stays on the host's loopback
     assert nodes == addrs  # one daemon per master

@@ -299,3 +299,57 @@ def test_with_every_connection_answering_a_new_one_gets_503_without_a_thread(ser
     for t in blocked:
         t.join(60)
     assert _get(sv.port, "/livez")[0] == 200
+
+
+def _answer(port: int, data: bytes, timeout: float = 3.0) -> bytes:
+    """Send ``data`` and read until the server closes. The socket timeout (3 s) is well below the 10 s
+    request deadline: a server that waited for more of the request would fail this as a timeout."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    try:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("line", [b"GET /\r\n", b"GET /health\r\n", b"GET /status\n", b"\r\n", b"GET\r\n",
+                                  b"POST /datasets\r\n", b"GET / HTTP/1.1 extra\r\n", b"GET / HTTQ/1.1\r\n",
+                                  b"GET / HTTP/x.y\r\n", b"\x16\x03\x01\x02\x00\x01\r\n"])
+def test_an_http09_or_malformed_request_line_gets_400_at_once(served, line: bytes) -> None:
+    """HTTP/0.9 (``GET /`` with no version, then no headers) or a line that is not ``METHOD target
+    HTTP/x.y``: 400 JSON and the connection closed, without waiting for the request deadline (10 s)."""
+    sv = served()  # the documented 10 s deadline: a hang would outlast the client's 3 s timeout
+    data = _answer(sv.port, line)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 400 "), data[:300]
+    assert json.loads(body)["error"]
+    sv.wait_stats(lambda st: st["connections"] == 0, "the connection's thread ended")
+    assert sv.srv.stats()["timed_out"] == 0
+    code, ok = _get(sv.port, "/livez", timeout=10)
+    assert code == 200 and ok["ok"]
+
+
+def test_http09_against_a_real_daemon_process_is_answered_at_once(tmp_path) -> None:
+    """The same against ``python -m cache_daemon`` with its default 10 s deadline."""
+    port, log = free_port(), tmp_path / "d.log"
+    with open(log, "ab") as f:
+        p = subprocess.Popen([sys.executable, "-m", "cache_daemon", "--no-progress", "--cache",
+                              f"lmdb://{tmp_path}/cache", "--http-port", str(port), "--poll-interval", "1"],
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**os.environ, "PYTHONPATH": REPO, "XDG_CACHE_HOME": str(tmp_path / "xdg")})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError):
+                if _get(port, "/livez", timeout=5)[0] == 200:
+                    break
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        data = _answer(port, b"GET /status\r\n")
+        assert data.startswith(b"HTTP/1.0 400 ") and b"HTTP/0.9" in data, data[:300]
+    finally:
+        p.terminate()
+        p.wait(60)

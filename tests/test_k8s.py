@@ -123,6 +123,96 @@ def test_kinds_namespace_and_selector_match_the_template() -> None:
     assert one("ServiceAccount")["automountServiceAccountToken"] is False
 
 
+def _selects(selector: dict | None, labels: dict[str, str]) -> bool:
+    """A Kubernetes LabelSelector (matchLabels AND matchExpressions; ``{}`` selects everything)."""
+    assert selector is not None
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _admitted(policy: dict, namespace: str, ns_labels: dict[str, str], pod_labels: dict[str, str],
+              port: int = 8470) -> bool:
+    """Whether ``policy`` admits a TCP connection to ``port`` from a pod with ``pod_labels`` in the
+    namespace ``namespace`` (labels ``ns_labels``), by the NetworkPolicy rules: the peers of one ``from``
+    are ORed; inside one peer, namespaceSelector and podSelector are ANDed; a peer with a podSelector only
+    means the policy's own namespace; an ipBlock peer admits by address (none is expected here)."""
+    own_ns = policy["metadata"]["namespace"]
+    for rule in policy["spec"].get("ingress") or []:
+        if rule.get("ports") and not any(p.get("protocol", "TCP") == "TCP" and p["port"] == port
+                                         for p in rule["ports"]):
+            continue
+        if "from" not in rule:  # no from: every source
+            return True
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer, "an ipBlock admits by address, whatever the namespace"
+            if "namespaceSelector" in peer:
+                ns_ok = _selects(peer["namespaceSelector"], ns_labels)
+            else:
+                ns_ok = namespace == own_ns
+            pod_ok = _selects(peer["podSelector"], pod_labels) if "podSelector" in peer else True
+            if ns_ok and pod_ok:
+                return True
+    return False
+
+
+def _ns(name: str, **labels: str) -> tuple[str, dict[str, str]]:
+    """A namespace as the API server labels it: kubernetes.io/metadata.name = its name, whatever else."""
+    return name, {**labels, "kubernetes.io/metadata.name": name}
+
+
+def test_network_policy_admits_clients_only_from_the_namespaces_it_names() -> None:
+    """The example names its client namespace(s) (``training``) and the monitoring one; a pod of any other
+    namespace is refused even when it labels itself a client (issue: "admits any pod of any namespace
+    that labels itself a client"), and so is an unlabelled pod of a client namespace."""
+    pol = one("NetworkPolicy")
+    client = {"datacache.io/client": "true"}
+    ingress = pol["spec"]["ingress"]
+    peers = [peer for rule in ingress for peer in rule["from"]]
+    named: set[str] = set()
+    for peer in peers:  # every peer restricts the namespace by its name, never {} or a forgeable label
+        sel = peer.get("namespaceSelector")
+        assert sel, f"a peer without a namespace restriction: {peer}"
+        names = {v for k, v in (sel.get("matchLabels") or {}).items() if k == "kubernetes.io/metadata.name"}
+        for e in sel.get("matchExpressions") or []:
+            if e["key"] == "kubernetes.io/metadata.name" and e["operator"] == "In":
+                names |= set(e["values"])
+        assert names, f"namespaces not selected by name: {sel}"
+        named |= names
+    # the client peer: namespaceSelector AND podSelector in the SAME element
+    (client_peer,) = [p for p in peers if "podSelector" in p]
+    assert client_peer["podSelector"]["matchLabels"] == client
+    client_namespaces = set(client_peer["namespaceSelector"]["matchExpressions"][0]["values"])
+    assert client_namespaces == {"training"} and named == {"training", "monitoring"}
+    with open(MANIFEST) as f:  # the header says which namespaces to list
+        header = f.read().split("apiVersion:", 1)[0]
+    assert "training" in header and "monitoring" in header
+    for name in client_namespaces:
+        assert _admitted(pol, *_ns(name), client)
+        assert not _admitted(pol, *_ns(name), {})  # not a client
+        assert not _admitted(pol, *_ns(name), client, port=6379)  # another port
+    assert _admitted(pol, *_ns("monitoring"), {"app.kubernetes.io/name": "prometheus"})
+    for name, labels in (_ns("default"), _ns("evil", team="training"), _ns("kube-system"),
+                         _ns("datacache"), _ns("evil", **{"kubernetes.io/metadata.name": "training"})):
+        assert not _admitted(pol, name, labels, client), name
+        assert not _admitted(pol, name, labels, {}), name
+    # the evaluator itself: the old policy (namespaceSelector: {}) admitted a client pod of any namespace
+    old = copy.deepcopy(pol)
+    old["spec"]["ingress"][0]["from"][0]["namespaceSelector"] = {}
+    assert _admitted(old, *_ns("evil"), client)
+    split = copy.deepcopy(pol)  # the selectors as two peers (either would do): a classic mistake
+    first = split["spec"]["ingress"][0]["from"][0]
+    split["spec"]["ingress"][0]["from"][:1] = [{"namespaceSelector": first["namespaceSelector"]},
+                                               {"podSelector": first["podSelector"]}]
+    assert _admitted(split, *_ns("training"), {}) and not _admitted(pol, *_ns("training"), {})
+
+
 def test_probes_and_ports_match_the_daemons_own_config(tmp_path) -> None:
     cfg, _ = loaded_config(tmp_path, POD)
     c = container()
