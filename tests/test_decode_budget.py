@@ -18,7 +18,6 @@ import pickle
 import struct
 import subprocess
 import sys
-import time
 import zlib
 
 import numpy as np
@@ -241,11 +240,12 @@ def _run_rss(path: str, budget: int | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_reproduction_is_refused_fast_with_bounded_memory(bomb: str) -> None:
-    """Issue 35, item 4: before, 1.7 GB of peak RSS and ~5 s; now refused from the header."""
+@pytest.mark.timeout(120)
+def test_the_reproduction_is_refused_with_bounded_memory(bomb: str) -> None:
+    """Issue 35, item 4: before, 1.7 GB of peak RSS and ~5 s; now refused from the header (measured
+    ~0.05 s: timings live in no test, the memory bound carries the point)."""
     r = _run_rss(bomb)
     assert r["shape"] is None and r["needed"] > DEFAULT_DECODE_BUDGET
-    assert r["wall"] < 0.5, r  # measured ~0.05 s
     assert r["after"] < 400 * MiB, r  # measured ~35 MB for the whole process
     assert r["after"] - r["before"] < 50 * MiB, r
 
@@ -357,15 +357,14 @@ def _imagefolder_with_bomb(root: str, bomb: str) -> str:
     return rel
 
 
+@pytest.mark.timeout(120)
 def test_cached_imagenet_quarantines_the_bomb_with_the_reason(tmp_path, bomb: str) -> None:
     from client.dataset import CachedImageNet
 
     root = str(tmp_path / "ds")
     rel = _imagefolder_with_bomb(root, bomb)
     ds = CachedImageNet(root, cache=f"lmdb://{tmp_path / 'lmdb'}", short_side=16, t1_dir=None)
-    t0 = time.perf_counter()
     ds.__getitems__(list(range(len(ds))))
-    assert time.perf_counter() - t0 < 10
     q = ds.quarantined
     assert list(q) == [rel] and "image over the decode memory budget" in q[rel], q
     assert "needs about" in q[rel] and "512 MiB" in q[rel]
@@ -387,3 +386,14 @@ def test_warm_quarantines_the_bomb_with_the_reason(tmp_path, redis_url, redis_se
     summary = QuarantineSummary()
     summary.add(rep.quarantined)
     assert summary.as_json()["by_reason"] == {"cannot decode: image over the decode memory budget": 1}
+
+
+@pytest.mark.timeout(120)
+def test_warm_into_lmdb_quarantines_the_bomb(tmp_path, bomb: str) -> None:
+    from datacache.warm import warm_cache
+
+    root = str(tmp_path / "ds")
+    rel = _imagefolder_with_bomb(root, bomb)
+    rep = warm_cache(root, f"lmdb://{tmp_path}/c", workers=1, t1_dir=None, progress=False)
+    assert list(rep.quarantined) == [rel] and "decode memory budget" in rep.quarantined[rel]
+    assert rep.decoded == rep.written == 4

@@ -77,8 +77,8 @@ COMPOSE = os.path.join(DEPLOY, "docker", "compose.yaml")
 MAKE_SECRETS_CMD = ("python -m datacache.make_secrets deploy/docker/secrets --redis-conf "
                     "deploy/redis/redis.conf")
 # the daemons' API token: a file (Docker secret api_token), never an environment variable
-API_TOKEN_CMD = ("test -s deploy/docker/secrets/api-token || (umask 077; python -c 'import secrets; "
-                 "print(secrets.token_urlsafe(32))' > deploy/docker/secrets/api-token)")
+API_TOKEN_CMD = ("test -s deploy/docker/secrets/api-token || (umask 077; head -c 32 /dev/urandom | base64 "
+                 "> deploy/docker/secrets/api-token)")
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
@@ -95,17 +95,16 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
 
 
 def _make_api_token(secrets_dir) -> None:
-    """The compose file's documented token command, run as written (python -> this interpreter; the
-    directory -> ``secrets_dir``), twice: the second run keeps the token."""
-    cmd = re.sub(r"(?<![\w/.])python(?= -c )", sys.executable,  # the project's interpreter, not PATH's
-                 API_TOKEN_CMD.replace("deploy/docker/secrets", str(secrets_dir)))
-    assert sys.executable in cmd
+    """The compose file's (and docs/deploy.md's) documented token command, run as written (the directory
+    -> ``secrets_dir``), twice: the second run keeps the token, 0600."""
+    cmd = API_TOKEN_CMD.replace("deploy/docker/secrets", str(secrets_dir))
     tokens = []
     for _ in range(2):
         subprocess.run(["sh", "-c", cmd], check=True, timeout=60)
         with open(os.path.join(str(secrets_dir), "api-token")) as f:
             tokens.append(f.read())
     assert tokens[0] == tokens[1] and len(tokens[0].strip()) >= 32  # made once, then reused
+    assert os.stat(os.path.join(str(secrets_dir), "api-token")).st_mode & 0o777 == 0o600
 
 
 def _compose(tmp_path) -> tuple[dict, dict[str, str]]:
