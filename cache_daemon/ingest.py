@@ -29,7 +29,9 @@ a record is never half written and never written twice under one key.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import posixpath
 import subprocess
 import sys
@@ -318,12 +320,16 @@ def _settle(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, rep
     state.status = status
 
 
-LIST_CODE = ("import sys\nfrom datacache.manifest import ListLimits, Manifest\n"
+# the source (and where redirects may lead) travel in the environment, never on the command line: a
+# presigned source's signature or a userinfo password would be public in ``ps``; /proc/PID/environ is
+# readable by this user only
+LIST_CODE = ("import json, os, sys\nfrom datacache.manifest import ListLimits, Manifest\n"
              "from datacache.confine import redirect_guard_options\n"
-             "opts = redirect_guard_options(sys.argv[1], allow=sys.argv[6:] or None)\n"
-             "Manifest.build(sys.argv[1], persist_dir=sys.argv[2], revalidate=sys.argv[3],\n"
+             "a = json.loads(os.environ.pop('DATACACHE_LIST_ARGS'))\n"
+             "opts = redirect_guard_options(a['source'], allow=a['allow'] or None)\n"
+             "Manifest.build(a['source'], persist_dir=sys.argv[1], revalidate=sys.argv[2],\n"
              "               storage_options=opts,\n"
-             "               list_limits=ListLimits(int(sys.argv[4]), int(sys.argv[5])))\n")
+             "               list_limits=ListLimits(int(sys.argv[3]), int(sys.argv[4])))\n")
 
 
 def confine_for(cfg: DaemonConfig, state: DatasetState, root: str | None = None) -> tuple[str, ...]:
@@ -355,12 +361,13 @@ def list_in_child(spec: DatasetSpec, persist_dir: str, stop: threading.Event,
     only for the log (never file contents: the listing reads names and sizes only)."""
     # allow: where HTTP redirects may lead (datacache.confine.redirect_guard_options; () = under the source)
     lim = limits or ListLimits()  # a file list: the same bounds as the daemon's own listing
-    cmd = [sys.executable, "-c", LIST_CODE, spec.source, persist_dir, spec.revalidate, str(lim.max_bytes),
-           str(lim.max_lines), *allow]
+    cmd = [sys.executable, "-c", LIST_CODE, persist_dir, spec.revalidate, str(lim.max_bytes),
+           str(lim.max_lines)]
+    env = {**os.environ, "DATACACHE_LIST_ARGS": json.dumps({"source": spec.source, "allow": list(allow)})}
     # stderr to a file, not a pipe: a child writing more than a pipe holds would block while we wait
     with tempfile.TemporaryFile() as errf:
         try:
-            child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf)
+            child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errf, env=env)
         except OSError as e:
             log.warning("%s: cannot start the listing process (%s); listing in the daemon", spec.source, e)
             return False

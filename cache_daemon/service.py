@@ -153,7 +153,8 @@ class Daemon:
         spec = DatasetSpec.from_dict(body, "POST /datasets")
         if redact(spec.source) != spec.source:
             # the registry (dcd:datasets) is readable by every cache client: no credential goes there
-            raise ConfigError("a source URL registered over HTTP must not carry a password (the registry is "
+            raise ConfigError("a source URL registered over HTTP must not carry a password or a credential "
+                              "query parameter (sig=, token=, X-Amz-*, ...; the registry is "
                               "readable by every cache client); give the daemon its storage credentials "
                               "through its environment or fsspec's configuration")
         if not self.cfg.allowed_sources:

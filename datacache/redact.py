@@ -9,12 +9,14 @@
   ``/``. The value of every **credential query parameter** (:func:`is_credential_param`: ``password=``,
   ``token=``, ``key=``, Azure SAS ``sig=``, ``X-Amz-*``, GCS ``Signature``/``GoogleAccessId``, ... --
   :data:`CREDENTIAL_PARAMS`) is shown as ``***`` too, its name kept (``?sv=2024&sig=***``), every
-  occurrence of it, its name compared case-insensitively after percent-decoding. When in doubt, more is
-  hidden, never less.
+  occurrence of it, its name compared case-insensitively after percent-decoding (an array suffix
+  ``sig[]`` ignored); an ``=`` written percent-encoded (``?sig%3D...``) and a path's matrix parameter
+  (``/list.txt;sig=...``) count too. When in doubt, more is hidden, never less.
 * :func:`redact_text` -- free text (an exception message, a log line) that may contain URLs: a cache
   URL's userinfo runs to the last ``@`` of its line (its password may hold spaces), every other
   ``scheme://...`` token is redacted as one URL, a credential parameter after a ``?``, ``&`` or ``;``
-  outside a URL (``list.txt?sig=...``, or all percent-encoded: ``%3Fsig%3D...``) is masked as in a
+  outside a URL (``list.txt?sig=...``, ``?sig%3D...``, or all percent-encoded, once or twice:
+  ``%3Fsig%3D...``, ``%253Fsig%253D...``) is masked as in a
   URL, and any known secret
   (:func:`register_secret`) is replaced by ``***`` wherever it appears -- raw, percent-encoded or
   percent-decoded.
@@ -64,8 +66,22 @@ _MAX_DECODE = 4  # percent-decoding rounds for a parameter name (a double-encode
 # a query percent-encoded as a whole (a URL inside a logged request path): %3F/%26/%3B name %3D value
 _ENC_PARAM = re.compile(r"(?i)(?<=%3F|%26|%3B)((?:[A-Za-z0-9_.~+\-]|%(?!3D|26|3F)[0-9A-F]{2}){1,200})%3D"
                         r"((?:(?!%26)[^&\s'\"<>])*)")
+# the same, encoded twice (a URL-quoted id quoted again by a client): %253F/%2526/%253B name %253D value
+_ENC2_PARAM = re.compile(r"(?i)(?<=%253F|%2526|%253B)"
+                         r"((?:[A-Za-z0-9_.~+\-]|%25(?!3D|26|3F)[0-9A-F]{2}){1,200})%253D((?:(?!%2526)[^&\s'\"<>])*)")
+# an "=" percent-encoded inside a query piece (``?sig%3DSECRET``): what follows it is hidden when the name
+# before it is a credential's (a server may decode the piece before splitting it)
+_ENC_EQ = re.compile(r"(?i)%(?:25)*3D")
+# a PHP/Rails-style array or map suffix of a parameter name: ``sig[]``, ``token[0]``
+_NAME_SUFFIX = re.compile(r"(?:\[[^\]]*\])+$")
+# a path's matrix parameter (``/list.txt;sig=...``), masked like a query parameter; its value runs to the
+# next ";" or the query (a "/" in a raw signature does not end it: more hidden, never less)
+_PATH_PARAM = re.compile(r";([^;=/?#]{1,200})=([^;?#]*)")
 # outside a URL: [?&;]name=value, the value up to the next "&", space, quote or angle bracket
 _FREE_PARAM = re.compile(r"(?<=[?&;])([^=&;?\s'\"<>#]{1,200})=([^&\s'\"<>]*)")
+# outside a URL, its "=" percent-encoded: [?&;]name%3Dvalue (or %253D...)
+_FREE_ENC_EQ = re.compile(r"(?i)(?<=[?&;])((?:[^=&;?\s'\"<>#%]|%(?!(?:25)*3D)[0-9A-F]{2}){1,200})"
+                          r"(%(?:25)*3D)([^&\s'\"<>]*)")
 
 _SECRETS: set[str] = set()
 _SECRETS_LOCK = threading.Lock()
@@ -83,7 +99,7 @@ def _param_name(raw: str) -> str:
         if decoded == name:
             break
         name = decoded
-    return name.strip().lower()
+    return _NAME_SUFFIX.sub("", name.strip()).strip().lower()
 
 
 def is_credential_param(name: str) -> bool:
@@ -102,6 +118,9 @@ def _redact_pair(pair: str) -> str:
     name, eq, _ = pair.partition("=")
     if eq and is_credential_param(name):
         return f"{name}={MASK}"
+    enc = _ENC_EQ.search(name)  # "sig%3DSECRET": the "=" percent-encoded
+    if enc and is_credential_param(name[:enc.start()]):
+        return f"{name[:enc.end()]}{MASK}"
     head, *more = pair.split(";")
     for i, sub in enumerate(more):
         sub_name, sub_eq, _ = sub.partition("=")
@@ -113,7 +132,7 @@ def _redact_pair(pair: str) -> str:
 def redact_query(query: str) -> str:
     """A query string (what follows the ``?``, without it) with every credential parameter's value shown
     as ``***`` (names kept, every occurrence, nothing else changed)."""
-    if "=" not in query:
+    if "=" not in query and "%" not in query:  # ("%": an "=" percent-encoded, ?sig%3D...)
         return query
     return "&".join(_redact_pair(p) for p in query.split("&"))
 
@@ -122,7 +141,10 @@ def _redact_tail(tail: str) -> str:
     """The part of a URL after its userinfo: its query (from the first ``?``, fragment included --
     more is hidden, never less) with the credential parameters masked."""
     path, q, query = tail.partition("?")
-    return f"{path}?{redact_query(query)}" if q else tail
+    if ";" in path:  # matrix parameters: /list.txt;sig=...
+        path = _PATH_PARAM.sub(lambda m: f";{m.group(1)}={MASK}" if is_credential_param(m.group(1))
+                               else m.group(0), path)
+    return f"{path}?{redact_query(query)}" if q else path
 
 
 def _redact_tier(tier: str) -> str:
@@ -187,8 +209,12 @@ def redact_text(text: str) -> str:
     out = _FREE_PARAM.sub(lambda m: f"{m.group(1)}={MASK}" if is_credential_param(m.group(1)) else m.group(0),
                           out)
     if "%" in out:
+        out = _FREE_ENC_EQ.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}" if is_credential_param(m.group(1))
+                               else m.group(0), out)
         out = _ENC_PARAM.sub(lambda m: f"{m.group(1)}%3D{MASK}" if is_credential_param(m.group(1))
                              else m.group(0), out)
+        out = _ENC2_PARAM.sub(lambda m: f"{m.group(1)}%253D{MASK}" if is_credential_param(m.group(1))
+                              else m.group(0), out)
     with _SECRETS_LOCK:
         known = sorted(_SECRETS, key=len, reverse=True)  # longest first: a secret containing another
     for s in known:

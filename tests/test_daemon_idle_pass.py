@@ -389,3 +389,26 @@ def test_the_first_listing_runs_in_a_child_that_persists_the_manifest(imagefolde
     t = time.monotonic()
     assert not list_in_child(DatasetSpec(root), str(tmp_path / "m2"), stop)  # SIGTERM: child killed
     assert time.monotonic() - t < 5 and not os.path.exists(str(tmp_path / "m2"))
+
+
+def test_the_listing_process_gets_its_source_through_the_environment_not_argv(imagefolder_factory, tmp_path,
+                                                                             monkeypatch) -> None:
+    """A presigned source's signature (or a userinfo password) must not be public in ``ps``: the listing
+    child's command line carries neither the source nor the allowed prefixes."""
+    import subprocess
+    import threading
+
+    from cache_daemon.daemon_config import DatasetSpec
+    from cache_daemon.ingest import list_in_child
+
+    root = imagefolder_factory(classes=2, per_class=2, size=(40, 30))
+    seen: list[list[str]] = []
+    real = subprocess.Popen
+
+    def spy(cmd, *a, **k):  # type: ignore[no-untyped-def]
+        seen.append(list(cmd))
+        return real(cmd, *a, **k)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    assert list_in_child(DatasetSpec(root), str(tmp_path / "m"), threading.Event(), allow=(root,))
+    assert seen and not any(root in arg for arg in seen[0][3:]), seen  # argv: [python, -c, code, ...]

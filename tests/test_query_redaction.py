@@ -48,8 +48,8 @@ TOKEN = "t" * 32
 # the issue's list (item 5 / item 7) and the presigned-URL forms of S3 (SigV2, SigV4), GCS (V2, V4),
 # Azure SAS and CloudFront -- written here independently of datacache.redact's own list
 CREDENTIAL_NAMES = [
-    "password", "passwd", "pass", "pwd", "token", "access_token", "refresh_token", "api_key", "apikey",
-    "key", "secret", "client_secret", "sig", "signature", "Signature", "X-Amz-Signature",
+    "password", "passwd", "pass", "pwd", "token", "access_token", "refresh_token", "id_token", "api_key",
+    "apikey", "key", "secret", "client_secret", "sig", "signature", "Signature", "X-Amz-Signature",
     "X-Amz-Credential", "X-Amz-Security-Token", "X-Amz-Anything", "X-Goog-Signature", "X-Goog-Credential",
     "GoogleAccessId", "AWSAccessKeyId", "Key-Pair-Id", "sas_token", "auth", "db_password", "session_token",
     "subscription-key", "private_key", "credential",
@@ -112,6 +112,39 @@ def test_repeated_parameters_fragments_and_separators_all_masked() -> None:
     assert redact("/local/path?sig=x") == "/local/path?sig=x"  # a path, not a URL: unchanged by redact()
 
 
+def test_unusual_spellings_of_a_credential_parameter_are_masked() -> None:
+    """What a server may still read as the credential: an "=" percent-encoded (``sig%3D...``, once or
+    twice), an array suffix (``sig[]=``), a path's matrix parameter (``;sig=``); and ``password_file`` (a
+    path) is not taken for ``password``."""
+    cases = {
+        f"https://h/l.txt?sig%3D{SECRET}": "https://h/l.txt?sig%3D***",
+        f"https://h/l.txt?sv=1&SIG%3d{SECRET}&b=2": "https://h/l.txt?sv=1&SIG%3d***&b=2",
+        f"https://h/l.txt?sv=1&sig%253D{SECRET}": "https://h/l.txt?sv=1&sig%253D***",
+        f"https://h/l.txt?sig[]={SECRET}": "https://h/l.txt?sig[]=***",
+        f"https://h/l.txt?token%5B0%5D={SECRET}": "https://h/l.txt?token%5B0%5D=***",
+        f"https://h/l.txt;sig={SECRET}": "https://h/l.txt;sig=***",
+        f"https://h/a;v=1/l.txt;X-Amz-Signature={SECRET}?sv=1": "https://h/a;v=1/l.txt;X-Amz-Signature=***?sv=1",
+        f"redis://h:1/0?password_file=/run/secrets/p&password={SECRET}":
+            "redis://h:1/0?password_file=/run/secrets/p&password=***",
+        f"redis://u:{SECRET}@h:1/0?password_file=/run/p;x": "redis://u:***@h:1/0?password_file=/run/p;x",
+    }
+    for url, want in cases.items():
+        assert redact(url) == want, url
+        assert redact(want) == want
+    for url in ("https://h/l.txt?abc%3Dsig", "https://h/l.txt?%7Euser", "lmdb:///var/c;x=1",
+                "https://h/l.txt?password_file=/p&passwordfile=/q&bypass=1&keyfile=/k"):
+        assert redact(url) == url
+    # free text (a log line, an error): the same forms outside a URL, and a query quoted twice
+    twice = urllib.parse.quote(urllib.parse.quote(f"https://h/l.txt?sv=1&sig={SECRET}&x=1", safe=""), safe="")
+    for text in (f"cannot read /mnt/l.txt?sig%3D{urllib.parse.quote(SECRET, safe='')} now",
+                 f"a?x=1&Token%253D{urllib.parse.quote(SECRET, safe='')}",
+                 f'"GET /datasets/{twice} HTTP/1.1" 404'):
+        out = redact_text(text)
+        assert_hidden(out)
+        assert "***" in out
+    assert redact_text("a?abc%3Dsig and ?password_file=/p") == "a?abc%3Dsig and ?password_file=/p"
+
+
 def test_userinfo_and_query_together_and_every_tier() -> None:
     url = (f"lmdb:///var/c?readonly=1::redis://u:pw{SECRET}@h:1/0?password={SECRET}&client_name=n"
            f"::redis+cluster://h1:7000,h2:7000?token={urllib.parse.quote(SECRET, safe='')}")
@@ -162,7 +195,7 @@ def test_registering_a_source_with_a_credential_query_is_refused() -> None:
 
 
 # -------------------------------------------------------------------------- config-error paths
-PW_URLS = [f"redis://127.0.0.1:1/0?password={urllib.parse.quote(SECRET, safe='')}",
+PW_URLS = [f"redis://127.0.0.1:1/0?password={urllib.parse.quote(SECRET, safe='')}&bogus=1",  # a bad option
            f"redis://127.0.0.1:1/0?client_name=x&PassWord={urllib.parse.quote(SECRET, safe='')}",
            f"redis+cluster://127.0.0.1:1,127.0.0.1:2?p%61ssword={urllib.parse.quote(SECRET, safe='')}",
            f"lmdb:///tmp/nowhere-dc::redis://127.0.0.1:1/0?token={urllib.parse.quote(SECRET, safe='')}"]
