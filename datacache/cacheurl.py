@@ -230,7 +230,9 @@ def parse_tier(text: str, *, url: str | None = None) -> StoreSpec:
         if opt is None:
             valid = ", ".join(sorted(sch.options)) or "none"
             # (url is redacted: a credential parameter's value is never echoed, only its name)
-            hint = ("; a password goes in user:password@ or, better, in a file: user@host?password_file=PATH"
+            # (no "@" in the hint: free-text redaction takes a cache URL's userinfo to the line's last "@")
+            hint = ("; a password goes in a file, ?password_file=PATH, or in the userinfo (user:password "
+                    "before the host)"
                     if is_credential_param(name) and "password_file" in sch.options else "")
             raise ConfigError(f"cache URL {url!r}: unknown option {name!r} for {scheme}://; valid options: "
                               f"{valid}{hint}")

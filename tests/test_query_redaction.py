@@ -228,6 +228,10 @@ def test_daemon_check_never_prints_a_query_password(url: str, tmp_path) -> None:
         assert r.returncode == 2, (what, r.stdout[-500:], r.stderr[-1500:])
         assert_hidden(r.stdout + r.stderr)
         assert "Traceback" not in r.stderr, (what, r.stderr[-1500:])
+    # the message stays useful: redaction hides the value, not the reason (nothing eaten up to an "@")
+    for what in ("environment", "--cache"):
+        assert "unknown option" in runs[what].stderr and "password_file" in runs[what].stderr, (
+            what, runs[what].stderr[-1500:])
 
 
 @pytest.mark.parametrize("url", PW_URLS)
