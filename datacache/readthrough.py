@@ -117,8 +117,10 @@ def shared(cache: CacheSpec | StoreSpec) -> bool:
 
 
 def writable(store: Any) -> bool:
-    """Whether ``store`` (one tier or a TieredStore) has a tier it may write to."""
-    return any(not getattr(t, "readonly", False) for t in getattr(store, "tiers", [store]))
+    """Whether ``store`` (one tier or a TieredStore) has a tier this process may try to write: not every
+    tier was opened read-only by the reader policy (a tier the user opened ``?readonly=1`` still counts,
+    so its refused writes are counted and explained as ever)."""
+    return any(not getattr(t, "reader_only", False) for t in getattr(store, "tiers", [store]))
 
 
 class ReadThrough:

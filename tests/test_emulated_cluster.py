@@ -32,6 +32,7 @@ from bench.emucluster import (
     why_unavailable,
 )
 from cache_daemon.daemon_config import load_config
+from datacache.redis_roles import DAEMON
 
 SKIP = why_unavailable()
 pytestmark = [pytest.mark.skipif(SKIP is not None, reason=f"emulated cluster: {SKIP}"), pytest.mark.netns]
@@ -150,7 +151,8 @@ print(json.dumps({"wrote": wrote, "same": got == [v for _, v in items]}))
 def test_client_in_node0_reads_and_writes_all_masters_and_counters_move(shaped: EmuCluster) -> None:
     c = shaped
     before = c.link_counters()
-    p = c.run_on(0, [sys.executable, "-c", _CLIENT, c.cache_url()], stdout=subprocess.PIPE,
+    # a writer (the daemons' role: trainers read, daemons write -- the trainers' role could not write)
+    p = c.run_on(0, [sys.executable, "-c", _CLIENT, c.cache_url(user=DAEMON)], stdout=subprocess.PIPE,
                  stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err

@@ -1,7 +1,8 @@
 """bench/emucluster.py uses the Redis roles: its masters run the filled redis.conf (no placeholder, no
 password-less access), its daemons the ``datacache-daemon`` role from a 0600 TOML, and the trainers' URL
-(``cache_url()``, ``EMUCLUSTER_CACHE_URL``) is the ``datacache`` role, which reads and writes back
-samples but cannot write the daemons' registry. Real namespaces, servers and daemons; skipped with the
+(``cache_url()``, ``EMUCLUSTER_CACHE_URL``) is the ``datacache`` role, which reads samples the daemons
+wrote and can write nothing: no sample (trainers read, daemons write), not the daemons' registry. Real
+namespaces, servers and daemons; skipped with the
 reason where namespaces cannot be made (not root, no ip/tc, no redis-server).
 """
 
@@ -24,7 +25,8 @@ import os, sys
 from redis.exceptions import NoPermissionError
 from datacache.stores import open_store
 s = open_store(os.environ["EMUCLUSTER_CACHE_URL"])
-assert s.put_many([(b"dc:emu:role", b"x" * 100)]) == 1 and s.get_many([b"dc:emu:role"]) == [b"x" * 100]
+assert s.put_many([(b"dc:emu:role", b"x" * 100)]) == 0 and s.counters()["write_errors"] == 1  # NOPERM
+assert s.get_many([b"dc:emu:role"]) == [None]
 try:
     s.status_set(b"dcd:datasets", "/etc|t160", b"x")
     print("WROTE")

@@ -53,7 +53,7 @@ def open_store(url: str | CacheSpec | StoreSpec, *, background_writes: bool = Fa
         for st, t in zip(stores, tiers):
             if getattr(st, "remote", False) and not t.option("write_back", False):
                 # never a write to a shared tier: BaseStore.put_many refuses, TieredStore skips it
-                st.readonly = True
+                st.readonly = st.reader_only = True
     if len(stores) == 1 and not (background_writes and getattr(stores[0], "remote", False)):
         return stores[0]
     from datacache.tiered import TieredStore
