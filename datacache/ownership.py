@@ -133,33 +133,14 @@ def _file_problem(fd: int, path: str, what: str) -> str | None:
     return None
 
 
-def open_private_append(path: str, *, what: str = "log file") -> int:
-    """A descriptor appending to ``path`` (created 0600), never through a symlink: OSError with one line
-    when ``path`` is a symlink, not a regular file, or owned by another user."""
+def _open_private(path: str, flags: int, what: str, verb: str, mode: int = 0o600) -> int:
+    """``os.open`` with ``O_NOFOLLOW`` (and ``O_NONBLOCK``: a FIFO planted here must not hang the open),
+    then the owner and type checked on the descriptor; OSError with one line otherwise."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-                     | os.O_NONBLOCK, 0o600)  # O_NONBLOCK: a FIFO planted here must not hang the open
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise OSError(e.errno, f"{what} {path} is a symbolic link: refusing to write through it "
-                                   "(remove it)") from None
-        raise
-    why = _file_problem(fd, path, what)
-    if why:
-        os.close(fd)
-        raise OSError(errno.EPERM, why)
-    os.set_blocking(fd, True)
-    return fd
-
-
-def open_private_read(path: str, *, what: str = "file") -> int:
-    """A descriptor reading ``path`` (no symlink followed, regular, owned by this user); OSError with one
-    line otherwise (FileNotFoundError when it is missing)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(e.errno, f"{what} {path} is a symbolic link: refusing to follow it (remove it)") \
+            raise OSError(e.errno, f"{what} {path} is a symbolic link: refusing to {verb} (remove it)") \
                 from None
         raise
     why = _file_problem(fd, path, what)
@@ -168,6 +149,18 @@ def open_private_read(path: str, *, what: str = "file") -> int:
         raise OSError(errno.EPERM, why)
     os.set_blocking(fd, True)
     return fd
+
+
+def open_private_append(path: str, *, what: str = "log file") -> int:
+    """A descriptor appending to ``path`` (created 0600), never through a symlink: OSError with one line
+    when ``path`` is a symlink, not a regular file, or owned by another user."""
+    return _open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what, "write through it")
+
+
+def open_private_read(path: str, *, what: str = "file") -> int:
+    """A descriptor reading ``path`` (no symlink followed, regular, owned by this user); OSError with one
+    line otherwise (FileNotFoundError when it is missing)."""
+    return _open_private(path, os.O_RDONLY, what, "follow it")
 
 
 def secret_stat_problem(st: os.stat_result, *, allow_root_group: bool = True) -> str | None:
