@@ -17,6 +17,7 @@ Example (``deploy/daemon.toml`` is the documented template)::
     pass_timeout = 0                             # a pass running longer fails /health (0 = from the work)
     drain_timeout = 30.0                         # SIGTERM: drain at most this long, then kill the pool
     verify_interval = 600.0                      # an idle pass trusts "nothing removed" this long (0 = never)
+    rolling_fill = true                          # fill in the order live runs will read (their plans)
 
     api_token_file = "/etc/datacache/api-token"  # or api_token = "..."; needed for POST/DELETE /datasets
     allowed_sources = ["/mnt/nfs/imagenet"]      # URL prefixes that POST /datasets may register from
@@ -170,6 +171,9 @@ class DaemonConfig:
     pass_timeout: float = 0.0  # seconds a pass may run before /health fails; 0 = derived from the work
     drain_timeout: float = 30.0  # seconds SIGTERM waits for the drain before it kills the decode pool
     verify_interval: float = 600.0  # seconds an idle pass may trust "nothing removed" (0 = check every key)
+    # datasets with a live run plan (datacache.run_plan): fill in the order the runs will read, delete what
+    # every run has read this epoch (cache_daemon.rolling); false = MinIO for every dataset
+    rolling_fill: bool = True
     t1_dir: str = "default"
     t1_max_bytes: int = field(default=0, metadata=BYTES)
     api_token: str = field(default="", repr=False)
@@ -287,7 +291,8 @@ def _refuse_placeholder_password(cache: str) -> None:
 
 # The TOML / environment kind of every top-level key, derived from DaemonConfig's fields (their annotation,
 # or metadata["kind"] for byte sizes): a new field is a config key without being written down twice.
-_ANNOTATION_KINDS: dict[str, Any] = {"str": str, "int": int, "float": float, "tuple[str, ...]": "list"}
+_ANNOTATION_KINDS: dict[str, Any] = {"str": str, "int": int, "float": float, "bool": bool,
+                                     "tuple[str, ...]": "list"}
 _KINDS: dict[str, Any] = {f.name: f.metadata.get("kind") or _ANNOTATION_KINDS[str(f.type)]
                           for f in fields(DaemonConfig) if f.name != "datasets"}
 
@@ -306,6 +311,15 @@ def _coerce(key: str, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: key {key!r} must be a byte size such as 200GiB or 1000000, "
                               f"got {value!r}")
         return v
+    if kind is bool:  # TOML true/false; the environment's 1/0, true/false, yes/no
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: key {key!r} must be true or false, got {value!r}")
     if kind is int and isinstance(value, str):
         try:
             return int(value)

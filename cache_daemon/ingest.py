@@ -46,6 +46,7 @@ from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, list_limits
 from cache_daemon.decoders import variant_for
 from cache_daemon.ownership import Owned, owned_indices
 from cache_daemon.presence import Stamp, take_stamp
+from cache_daemon.rolling import RollingFill, read_runs, session
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
 from datacache.confine import redirect_guard_options
@@ -72,6 +73,7 @@ class PassMemo:
     # quarantine keys of files THIS daemon failed to decode (across passes): an entry found in the store
     # counts as done only when it is here, so a forged or stale entry is re-checked by one decode
     bad_checked: set[bytes] = field(default_factory=set)
+    rolling: RollingFill = field(default_factory=RollingFill)  # live run plans: cache_daemon.rolling
 
 
 @dataclass
@@ -120,7 +122,8 @@ class DatasetState:
                 "error": self.error, "shortcut_passes": self.shortcut_passes,
                 "quarantined_count": len(self.quarantined),
                 "quarantined_by_reason": dict(self.quarantined.by_reason),
-                "quarantined": dict(self.quarantined.examples)}  # the first few, with their reasons
+                "quarantined": dict(self.quarantined.examples),  # the first few, with their reasons
+                "rolling": self.memo.rolling.stats.as_json()}
 
 
 @dataclass
@@ -140,9 +143,10 @@ class _Stop:
     def __init__(self, outer: threading.Event) -> None:
         self.outer = outer
         self.budget = False
+        self.plan = False  # a live run plan appeared: the rolling fill takes over
 
     def is_set(self) -> bool:
-        return self.outer.is_set() or self.budget
+        return self.outer.is_set() or self.budget or self.plan
 
 
 def node_memory(cfg: DaemonConfig, store: Any) -> tuple[int, int]:
@@ -178,6 +182,13 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
     ``watch``: told how much the pass owns, so a derived deadline grows with the work."""
     try:
         work = _prepare(cfg, state, store, decoder, stop)
+        if plans_possible(cfg, store) and session(
+                cfg, state, store, work, state.memo.rolling, decoder=decoder, pool=pool, stop=stop,
+                node_memory=node_memory, report=lambda: _report(cfg, state, store, work.tag)):
+            state.passes += 1
+            state.memo.verified = None  # the rolling fill deletes: the next MinIO pass checks every key
+            state.error = ""
+            return None
         if _nothing_removed(cfg, state, work.own, work.stamp):
             return _shortcut(cfg, state, store, work)
         if watch is not None:
@@ -194,6 +205,22 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
         log.warning("%s: fill pass failed (%s); retried in %.0f s", state.spec.source, state.error,
                     cfg.poll_interval)
         return None
+
+
+def plans_possible(cfg: DaemonConfig, store: Any) -> bool:
+    """Whether run plans can drive this daemon's fill: ``rolling_fill`` on, and a Redis store (the plans
+    live there; an embedded store has no second process to publish them)."""
+    return cfg.rolling_fill and hasattr(store, "client_for")
+
+
+def plans_live(cfg: DaemonConfig, state: DatasetState, store: Any) -> bool:
+    """Whether ``state``'s dataset has a valid live run plan now (one round trip; False on any error)."""
+    if not (plans_possible(cfg, store) and state.fingerprint and state.variant_tag):
+        return False
+    try:
+        return bool(read_runs(store, state.fingerprint, state.variant_tag)[0])
+    except Exception:
+        return False
 
 
 def _prepare(cfg: DaemonConfig, state: DatasetState, store: Any, decoder: Any,
@@ -264,6 +291,8 @@ def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, de
         if time.monotonic() - last[0] >= REPORT_EVERY_S:
             last[0] = time.monotonic()
             _report(cfg, state, store, work.tag)
+            if plans_live(cfg, state, store):  # a run published its plan: fill in its order instead
+                halt.plan = True
 
     used, budget = node_memory(cfg, store)
     if budget and used >= budget:

@@ -39,7 +39,7 @@ from typing import Any
 from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, source_allowed
 from cache_daemon.decoders import make_decoder
 from cache_daemon.heap import decode_worker_heap, release_free_heap
-from cache_daemon.ingest import DatasetState, ingest_pass
+from cache_daemon.ingest import DatasetState, ingest_pass, plans_live
 from cache_daemon.registry import register, registered, unregister
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
@@ -53,6 +53,7 @@ from datacache.stores import open_store
 
 log = logging.getLogger("cache_daemon")
 FAILED_ROUNDS_UNHEALTHY = 3  # consecutive rounds that failed before any pass: /livez (and /health) 503
+PLAN_CHECK_S = 2.0  # between rounds: how often a dataset's run plans are looked for
 EXIT_FORCED = 3  # SIGTERM's drain did not finish in drain_timeout (or a second signal): pool killed
 
 
@@ -281,8 +282,23 @@ class Daemon:
                 self.failed_rounds += 1
                 self.round_error = redact_text(f"{type(e).__name__}: {e}")[:500]
                 log.warning("round failed (%s); retried in %s s", self.round_error, self._poll_wait())
-            self.wake.wait(self._poll_wait())
+            self._wait_round()
             self.wake.clear()
+
+    def _wait_round(self) -> None:
+        """The wait between rounds: ``poll_interval`` (or a registration / signal), cut short when a
+        dataset has a live run plan (:mod:`cache_daemon.rolling`): checked every ``PLAN_CHECK_S`` seconds,
+        one small read per dataset, so a run that starts is followed within about that long."""
+        wait = self._poll_wait()
+        end = None if wait is None else time.monotonic() + wait
+        while not self.stop.is_set():
+            with self.lock:
+                states = list(self.states.values())
+            if any(s.status == "rolling" or plans_live(self.cfg, s, self.store) for s in states):
+                return
+            left = PLAN_CHECK_S if end is None else min(PLAN_CHECK_S, end - time.monotonic())
+            if left <= 0 or self.wake.wait(left):
+                return
 
     def _supervise(self, worker: threading.Thread) -> bool:
         """Main thread: wait for the pass thread; False when the drain ran out of time (or a 2nd signal)."""

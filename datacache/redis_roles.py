@@ -2,20 +2,26 @@
 
 * ``admin`` -- cluster creation (``redis-cli --cluster create``), resharding, replication: everything.
   Operators only; no datacache process holds it.
-* ``datacache-daemon`` -- the cache daemons: samples (``GET``/``SET``/``EXISTS`` on ``dc:*``),
-  remembered bad files (``dcq:*``), fill reports and the dataset registry (``HSET``/``HGETALL``/``HDEL``
-  on ``dcd:*``), and the read-only cluster/info commands of their health checks, memory budget and idle
-  passes (``INFO``, ``DBSIZE``, ``CLUSTER SLOTS|SHARDS|INFO|COUNTKEYSINSLOT``).
-* ``datacache`` -- trainers (``CachedImageNet``, ``datacache stats``, ``wait_warm``): **read only**.
+* ``datacache-daemon`` -- the cache daemons: samples (``GET``/``SET``/``EXISTS`` on ``dc:*``, and ``DEL``:
+  the rolling fill's evictions), remembered bad files (``dcq:*``), fill reports and the dataset registry
+  (``HSET``/``HGETALL``/``HDEL`` on ``dcd:*``), the trainers' run plans read-only (``GETRANGE``/``PTTL``
+  on ``dcp:*``: a bounded read, and the record's expiry), and the read-only cluster/info commands of
+  their health checks, memory budget and idle passes (``INFO``, ``DBSIZE``,
+  ``CLUSTER SLOTS|SHARDS|INFO|COUNTKEYSINSLOT``).
+* ``datacache`` -- trainers (``CachedImageNet``, ``datacache stats``, ``wait_warm``, a run's plan):
   ``GET``/``EXISTS`` on samples (``dc:*``) and remembered bad files (``dcq:*``), ``HGETALL`` on fill
-  reports (``dcd:*``, which ``wait_warm`` polls). Every key pattern is ``%R~`` (read-only) and the role
-  has no write command at all (no ``SET``, so no ``PX``/``EX`` either), so a compromised training job
-  cannot poison, fill or erase what other jobs read: a miss is decoded locally and served, filling is
-  the daemons' job (and ``datacache warm`` run by an operator with the daemons' credential).
+  reports (``dcd:*``), all ``%R~`` (read-only), and ``SET``/``GET`` on run plans (``dcp:*``,
+  :mod:`datacache.run_plan`), the one pattern it may write. So a compromised training job cannot poison
+  or erase what other jobs read: a miss is decoded locally and served, filling is the daemons' job (and
+  ``datacache warm`` run by an operator with the daemons' credential). What it can write is plan
+  records: at worst a forged plan changes which samples a rolling fill keeps (the hit ratio), or
+  junk under ``dcp:*`` uses memory up to ``maxmemory`` (the daemons' writes then fail and are counted);
+  never a sample's bytes.
 
-Neither datacache role may list key names (``SCAN``, ``KEYS``, ``CLUSTER GETKEYSINSLOT``) or destroy data
-(``DEL``, ``FLUSH*``), run scripts, change the config or manage users. ``-@all`` comes first so commands
-added by later Redis versions are never granted by accident.
+Neither datacache role may list key names (``SCAN``, ``KEYS``, ``CLUSTER GETKEYSINSLOT``), flush
+(``FLUSH*``), run scripts, change the config or manage users; only the daemons may ``DEL`` (the rolling
+fill deletes samples this epoch has read). ``-@all`` comes first so commands added by later Redis
+versions are never granted by accident.
 
 ``deploy/redis/redis.conf`` carries the same rules (``tests/test_redis_conf.py`` checks they agree and
 runs every role's real code path against servers started with the file) with placeholder password
@@ -39,11 +45,12 @@ _CONNECT = "+ping +auth +hello +client|setname"  # redis-py's connection set-up 
 _CLUSTER_READ = "+info +dbsize +cluster|slots +cluster|shards +cluster|info"
 RULES: dict[str, str] = {
     ADMIN: "~* &* +@all",
-    DAEMON: ("resetchannels ~dc:* ~dcq:* ~dcd:* -@all +get +set +exists +hset +hgetall +hdel "
-             f"{_CLUSTER_READ} +cluster|countkeysinslot {_CONNECT}"),
-    # read-only key patterns (%R~) AND no write command: two independent reasons a trainer cannot write
-    TRAINER: f"resetchannels %R~dc:* %R~dcq:* %R~dcd:* -@all +get +exists +hgetall {_CLUSTER_READ} "
-             f"{_CONNECT}",
+    DAEMON: ("resetchannels ~dc:* ~dcq:* ~dcd:* %R~dcp:* -@all +get +set +exists +del +hset +hgetall +hdel "
+             f"+getrange +pttl {_CLUSTER_READ} +cluster|countkeysinslot {_CONNECT}"),
+    # read-only key patterns (%R~) on everything but its run plans (dcp:*, SET only): a trainer cannot
+    # write a sample, a quarantine entry or a fill report
+    TRAINER: f"resetchannels %R~dc:* %R~dcq:* %R~dcd:* %RW~dcp:* -@all +get +exists +hgetall +set "
+             f"{_CLUSTER_READ} {_CONNECT}",
 }
 PLACEHOLDER = "CHANGE_ME"  # in a template's password hashes, and refused in any password the daemon uses
 # a template's ACL line: "user NAME on #CHANGE_ME... RULES" -- redis-server refuses to start with it (a

@@ -133,13 +133,14 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
                  decoder: Decoder | None = None, progress: bool = True, stop: threading.Event | None = None,
                  on_chunk: Callable[[WarmReport], None] | None = None, inflight: int | None = None,
                  store: Any = None, store_spec: StoreSpec | None = None, pool: DecodePool | None = None,
-                 desc: str = "warming") -> WarmReport:
+                 desc: str = "warming", quiet: bool = False) -> WarmReport:
     """Decode and write every sample of ``indices`` that the cache does not hold (module docstring).
 
     ``store`` overrides where records are written (the daemon writes to its Redis tier directly); when it
     is remote and ``store_spec`` names it, the pool workers write to it over their own connections.
     ``pool``: a long-lived :class:`~datacache.decodepool.DecodePool` to use (the daemon's); without it
     the fill forks its own and closes it at the end. Nothing to decode = no process is created.
+    ``quiet``: the start of the fill is logged at debug level (the rolling fill's steps).
     Raises :class:`~datacache.decodepool.WorkerLost` when a worker died mid-fill (its chunk is lost)."""
     from tqdm import tqdm
 
@@ -165,7 +166,9 @@ def fill_missing(reader: ReadThrough, indices: Sequence[int], *, workers: int | 
         remote = store_spec if getattr(store, "remote", False) else None  # workers write to Redis themselves
         ctx: Context = (reader.variant, decoder, remote, reader.record_key)
         digest = hashlib.sha256(pickle.dumps(ctx)).digest()  # our own objects (never a cache value)
-        log.info("fill %s -> %s: %d samples, %d already cached, %d to decode with %d processes",
+        # quiet: the rolling fill's many small steps log at debug level (the daemon logs the session)
+        log.log(logging.DEBUG if quiet else logging.INFO,
+                "fill %s -> %s: %d samples, %d already cached, %d to decode with %d processes",
                  reader.manifest.root, store.url, rep.total, rep.skipped, len(todo), workers)
         errors_before = store.counters().get("write_errors", 0)
         # Bytes read: the Source's counter over the whole fill. The reader threads share the Source, so

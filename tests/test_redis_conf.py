@@ -40,13 +40,15 @@ CONF = os.path.join(REPO, "deploy", "redis", "redis.conf")
 FORBIDDEN = [
     ["scan", "0"], ["keys", "*"], ["cluster", "getkeysinslot", "0", "10"], ["script", "flush"],
     ["eval", "return 1", "0"], ["flushall"], ["flushdb"], ["config", "get", "maxmemory"],
-    ["debug", "sleep", "0"], ["del", "dc:x"], ["unlink", "dc:x"], ["monitor"], ["client", "list"],
+    ["debug", "sleep", "0"], ["unlink", "dc:x"], ["monitor"], ["client", "list"],
     ["client", "kill", "127.0.0.1:1"], ["acl", "list"], ["acl", "setuser", "evil", "on", ">x", "~*", "+@all"],
     ["shutdown", "nosave"], ["cluster", "reset"], ["cluster", "nodes"], ["randomkey"],
     ["object", "encoding", "dc:x"], ["save"], ["bgsave"], ["hkeys", "dcd:datasets"],
 ]
-# what a trainer must not do to the daemons' keys (the registry, fill reports): their role may
+# what a trainer must not do to the daemons' keys (the registry, fill reports, samples): their role may
+# (DEL dc:x: the daemons' rolling fill deletes what every run has read; a trainer never deletes)
 TRAINER_NO_WRITE = [
+    ["del", "dc:x"], ["del", "dcp:{x}:00"], ["set", "dc:x", "x"],
     ["hset", "dcd:datasets", "/data|t160", "x"], ["hdel", "dcd:datasets", "/data|t160"],
     ["hset", "dcd:fill:0123456789abcdef:t160", "n1", "x"], ["hdel", "dcd:fill:0123456789abcdef:t160", "n1"],
     ["set", "dcd:datasets", "x"], ["set", "dcd:fill:x", "x"], ["hsetnx", "dcd:datasets", "f", "x"],

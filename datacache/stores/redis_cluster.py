@@ -326,7 +326,22 @@ class RedisClusterStore(RedisStoreBase):
 
         return [r == 1 for r in self._fan_out(keys, op, "read", 0)]
 
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """``DEL`` of ``keys`` (the rolling fill's evictions; the daemons' role only), one pipeline per
+        master; the number deleted. A master that fails deletes nothing (counted as write errors)."""
+        def op(client: Any, pos: list[int]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for p in pos:
+                pipe.delete(keys[p])
+            return pipe.execute(raise_on_error=False)
+
+        return sum(r for r in self._fan_out(list(keys), op, "write", 0) if isinstance(r, int))
+
     # ------------------------------------------------------------ daemon reports
+    def client_for(self, name: bytes) -> Any:
+        """The redis-py client of the master serving ``name``'s slot (run plans: one hash tag)."""
+        return self._master_client(name)
+
     def _master_client(self, name: bytes) -> Any:
         addr = self.master_of([name])[0]
         if addr is None:

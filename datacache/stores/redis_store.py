@@ -97,6 +97,28 @@ class RedisStore(RedisStoreBase):
         got = self._guarded(self.addr, lambda: pipe_exists(self.client(), keys), len(keys))
         return [r == 1 for r in got]  # an error reply is "not there"
 
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """``DEL`` of ``keys`` (the rolling fill's evictions; the daemons' role only); the number deleted."""
+        if not keys:
+            return 0
+
+        def op() -> list[Any]:
+            pipe = self.client().pipeline(transaction=False)
+            for k in keys:
+                pipe.delete(k)
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._guarded(self.addr, op, len(keys))
+        except Exception as exc:
+            self._failed("write", exc, len(keys))
+            return 0
+        return sum(r for r in replies if isinstance(r, int))
+
+    def client_for(self, name: bytes) -> Any:
+        """The redis-py client that serves ``name`` (this one server)."""
+        return self.client()
+
     def status_set(self, name: bytes, field: str, value: bytes) -> None:
         """HSET of a daemon report (:mod:`datacache.fillstatus`); raises on failure (callers decide)."""
         self.client().hset(name, field, value)
