@@ -215,3 +215,60 @@ def test_a_node_joining_mid_epoch_re_plans_the_rest_once_and_local(digits_data, 
     local = sum(owners[i] == masters[rank] for rank, part in enumerate(rest) for i in part)
     assert local >= 0.8 * sum(len(p) for p in rest), local
     assert three[0]["epochs"][0]["planned_local_fraction"] >= 0.8
+
+
+def _rank_publishing(rank: int, world: int, cfg_values: dict, masters: list[str]) -> dict:
+    """:func:`_rank`, recording every run-plan record rank 0's publisher wrote."""
+    from client.run_publisher import PlanPublisher
+
+    published: list[dict] = []
+    real = PlanPublisher.publish
+
+    def publish(self):
+        ok = real(self)
+        if ok:
+            published.append(json.loads(self.record.encode()))
+        return ok
+
+    PlanPublisher.publish = publish  # (this spawned process only)
+    out = _rank(rank, world, cfg_values, masters)
+    return {**out, "published": published}
+
+
+@pytest.mark.slow
+def test_the_trainer_publishes_the_plan_the_daemons_reproduce(digits_data, redis_cluster, cluster_url,
+                                                             tmp_path) -> None:
+    """Rank 0 publishes each epoch's plan and progress; a daemon that recomputes the plan from the record
+    and its own slot map gets exactly the order every rank trained (so the rolling fill fills in the
+    order the samples are read)."""
+    from cache_daemon.rolling import RollingFill
+    from client.dataset import CachedImageNet
+    from datacache.epoch_plan import owners_digest
+    from datacache.run_plan import epoch_order, parse_record
+    from datacache.stores import open_store
+
+    keys = _fill(digits_data["val"], cluster_url)
+    masters = [redis_cluster.masters[0].addr, redis_cluster.masters[1].addr]
+    cfg = _cfg(digits_data, cluster_url, str(tmp_path / "run"))
+    res = run_distributed(_rank_publishing, world_size=2, local_size=1, args=(cfg, masters))
+    records = [parse_record(json.dumps(r).encode()) for r in res[0]["published"]]
+    assert res[1]["published"] == []  # rank 0 only
+    assert {r.epoch for r in records} == {0, 1} and len({r.run for r in records}) == 1
+    ds = CachedImageNet(digits_data["val"], cache=cluster_url, short_side=32)
+    store = open_store(ds.reader.store.tiers[-1].spec) if hasattr(ds.reader.store, "tiers") else None
+    store = store or ds.reader.store
+    for epoch in (0, 1):
+        rec = [r for r in records if r.epoch == epoch][-1]
+        assert rec.samples == len(keys) and rec.masters == masters and rec.node_of_rank == [0, 1]
+        owners = RollingFill()._owners(store, ds.reader.prefix, len(keys), rec.masters)
+        assert owners_digest(owners) == rec.owners_digest  # the daemon's slot map gives the same owners
+        order = epoch_order(rec, owners)
+        length = order.length
+        for rank in range(2):
+            seen = [i for e, _, idx in res[rank]["seen"] if e == epoch for i in idx]
+            assert order.idx_now[rank * length:(rank + 1) * length].tolist() == seen, (epoch, rank)
+        assert 0 <= rec.trained <= rec.drawn <= length
+    for epoch in (0, 1):  # progress: whole steps of 36 per rank, never backwards within the epoch
+        trained = [r.trained for r in records if r.epoch == epoch]
+        assert trained == sorted(trained) and all(t % 36 == 0 for t in trained)
+    assert max(r.trained for r in records) >= 36

@@ -119,6 +119,7 @@ class LocalityBatchSampler(DistributedBatchSampler):
     def __init__(self, indices: Sequence[int], owners: np.ndarray, node_of_rank: Sequence[int], rank: int = 0,
                  seed: int = 0, exchange: float = 0.1) -> None:
         super().__init__(indices, len(node_of_rank), rank, seed)
+        self.publisher: Any = None  # rank 0's client.run_publisher.PlanPublisher (see plan_publisher)
         if not 0.0 <= float(exchange) <= 1.0:
             raise ConfigError(f"--exchange must be a fraction in [0, 1], got {exchange}")
         self.node_of_rank = [int(n) for n in node_of_rank]
@@ -141,6 +142,20 @@ class LocalityBatchSampler(DistributedBatchSampler):
         # snapshot taken when the run resumed), its own random streams
         return plan_epoch(self.owners[sub], self.node_of_rank, seed=self.seed, epoch=self.epoch,
                           exchange=self.exchange, part=part).per_rank
+
+    def __iter__(self) -> Any:
+        pub = self.publisher
+        for req in super().__iter__():
+            if pub is not None and self.current_rest() is None:
+                # the loader draws batches in the main process: what it has taken so far, per rank
+                pub.progress(drawn=(req.step + 1) * self.batch_size)
+            yield req
+
+    def publish_epoch(self) -> None:
+        """Tell the publisher (rank 0 only) that the current epoch starts with the current owners."""
+        if self.publisher is not None:
+            self.publisher.epoch(self.epoch, self.owners, replanned=self.current_rest() is not None)
+            self.publisher.progress(trained=self.start_step * self.batch_size)
 
     def local_fraction(self) -> float:
         """Of the planned samples that have an owner on a training node, the fraction read on it."""
@@ -183,6 +198,28 @@ class LocalityBatchSampler(DistributedBatchSampler):
 
 
 # ------------------------------------------------------------ wiring into a training run
+def plan_publisher(dataset: Any, indices: Sequence[int], sampler: LocalityBatchSampler,
+                   masters_by_node: Sequence[str]) -> tuple[Any, str]:
+    """Rank 0's run-plan publisher for the cache daemons' rolling fill (:mod:`datacache.run_plan`), or
+    ``(None, why not)``: the plan must cover the dataset's indices ``0..n-1`` in order (a held-out split
+    of the same folder does not: use ``--val-data``), and every node must have a known master."""
+    from client.run_publisher import PlanPublisher
+
+    n = len(dataset)
+    if len(indices) != n or not np.array_equal(np.asarray(indices, dtype=np.int64), np.arange(n)):
+        return None, ("the training indices are a held-out split of the folder (the daemons plan whole "
+                      "datasets): use --val-data for validation")
+    if not all(masters_by_node):
+        return None, "a node has no known local master (pass --local-master host:port there)"
+    try:
+        pub = PlanPublisher.for_dataset(dataset, seed=sampler.seed, exchange=sampler.exchange,
+                                        drop_last=False, node_of_rank=sampler.node_of_rank,
+                                        masters=list(masters_by_node))
+    except Exception as e:  # too many ranks for one record, no Redis tier: the run goes on without
+        return None, f"{type(e).__name__}: {e}"
+    return pub, "published"
+
+
 def with_local_master(cache_url: str, addr: str) -> str:
     """``cache_url`` with ``local=addr`` on every ``redis+cluster://`` tier that has no ``local=`` yet
     (the store then counts local / remote bytes); other URLs unchanged."""

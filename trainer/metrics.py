@@ -41,14 +41,19 @@ class MetricsLog:
             print(text, file=self.stream, flush=True)
 
 
+def _hit_ratio(rec: dict[str, Any]) -> str:
+    r = rec.get("cache_hit_ratio")
+    return f" (hit ratio {r:.3f})" if r is not None else ""
+
+
 def epoch_line(rec: dict[str, Any], epochs: int) -> str:
     """``epoch 3/12  32px  batch 128  hitopk  lr 0.19  loss 0.534  812 samples/s  data-wait 1.2%
-    cache 1437 hits / 0 misses  [read 5.1 MB local / 0.6 MB remote (89% local)]  val top1 97.22% top5
-    99.72%``."""
+    cache 1437 hits / 0 misses (hit ratio 1.000)  [read 5.1 MB local / 0.6 MB remote (89% local)]  val top1
+    97.22% top5 99.72%``."""
     parts = [f"epoch {rec['epoch'] + 1}/{epochs}", f"{rec['resolution']}px", f"batch {rec['global_batch']}",
              rec["comm_method"], f"lr {rec['lr']:.4g}", f"loss {rec['loss']:.4f}",
              f"{rec['samples_per_s']:.0f} samples/s", f"data-wait {100 * rec['data_wait_fraction']:.1f}%",
-             f"cache {rec['cache_hits']} hits / {rec['cache_misses']} misses"]
+             f"cache {rec['cache_hits']} hits / {rec['cache_misses']} misses" + _hit_ratio(rec)]
     local, remote = rec.get("local_bytes", 0), rec.get("remote_bytes", 0)
     if local + remote:  # a Redis Cluster tier that knows each rank's local master
         parts.append(f"read {local / 1e6:.1f} MB local / {remote / 1e6:.1f} MB remote "

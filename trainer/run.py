@@ -318,6 +318,13 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     else:
         sampler = DistributedBatchSampler(data.train_idx, world, rank, cfg.seed)
 
+    publisher = None  # rank 0's run plan for the daemons' rolling fill (trainer.locality.plan_publisher)
+    if isinstance(sampler, locality.LocalityBatchSampler) and cluster is not None and rank == 0:
+        publisher, why_not = locality.plan_publisher(data.train, data.train_idx, sampler, masters_by_node)
+        sampler.publisher = publisher
+        if publisher is None:
+            log.info("run plan not published for the daemons' rolling fill: %s", why_not)
+
     view = data.train.samples  # (root prefix + relative path, label), built per item
     fingerprint = checkpoint.dataset_fingerprint(
         data.train.classes, ((view[i][0][len(view.prefix):], view[i][1]) for i in data.train_idx),
@@ -423,11 +430,15 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
             sampler.set_owners(locality.epoch_owners(cluster, keys, masters_by_node,
                                                      n=len(data.train_idx)))  # COLLECTIVE
         steps = sampler.steps_in_epoch()
+        if isinstance(sampler, locality.LocalityBatchSampler):
+            sampler.publish_epoch()  # rank 0: the daemons fill in this epoch's order
         before = data.train.stats()
 
         def on_step(step: int, epoch: int = epoch, steps: int = steps, g0: int = gstep - first,
                     gbs: int = gbs) -> None:
             g = g0 + step  # the global step just completed
+            if publisher is not None:
+                publisher.progress(trained=step * (gbs // world))
             every = cfg.checkpoint_every and g % cfg.checkpoint_every == 0
             stop = 0 < cfg.stop_at_step <= g
             if (every or stop) and step < steps:  # the epoch's end has its own checkpoint
@@ -485,6 +496,8 @@ def _train(cfg: TrainConfig, info: DistInfo, path: str | None, *, make_loader: L
     if isinstance(ddp, CrossBarrier):
         ddp.close()  # its communication thread (after the last pieces) and its hooks
     state.close()  # the communication thread of --overlap async (none otherwise)
+    if publisher is not None:
+        publisher.close()  # the daemons stop planning for this run at once (no wait for the expiry)
     if cluster is not None:
         cluster.close()  # the slot-map reader's own connections (the datasets keep theirs)
     return result
@@ -519,6 +532,7 @@ def _epoch_record(cfg: TrainConfig, data: Data, stats: EpochStats, before: dict[
             "lr": stats.lr, "loss": loss, "seconds": stats.seconds,
             "samples_per_s": stats.samples_per_s * world, "data_wait_fraction": wait, "augment_s": aug,
             "skipped_steps": stats.skipped_steps, "cache_hits": int(hits), "cache_misses": int(misses),
+            "cache_hit_ratio": round(hits / (hits + misses), 4) if hits + misses else None,
             "decoded": int(decoded)}
 
 
