@@ -72,6 +72,24 @@ def make_metrics(daemon: Any) -> Any:
         ("datacache_daemon_decoded", "counter", "samples decoded and written", "decoded"),
         ("datacache_daemon_source_bytes", "counter", "bytes read from the source", "bytes_read"),
         ("datacache_daemon_quarantined_files", "gauge", "undecodable files", "quarantined_count"),
+        # the rolling fill (cache_daemon.rolling): live run plans of the dataset
+        ("datacache_daemon_rolling_active", "gauge", "1 while live run plans drive the fill",
+         "rolling.active"),
+        ("datacache_daemon_rolling_runs", "gauge", "live run plans understood", "rolling.runs"),
+        ("datacache_daemon_rolling_held_runs", "gauge", "live run plans not understood (no deletion)",
+         "rolling.held"),
+        ("datacache_daemon_rolling_invalid_plans", "gauge", "plan slots ignored (malformed, oversized, no "
+         "expiry)", "rolling.invalid"),
+        ("datacache_daemon_rolling_window_samples", "gauge", "owned samples cached now", "rolling.window"),
+        ("datacache_daemon_rolling_lead_samples", "gauge", "samples cached in a row ahead of the loaders",
+         "rolling.lead"),
+        ("datacache_daemon_rolling_evicted", "counter", "samples deleted after the runs read them",
+         "rolling.evicted"),
+        ("datacache_daemon_rolling_filled", "counter", "samples filled in plan order", "rolling.filled"),
+        ("datacache_daemon_rolling_hits", "counter", "samples read while a plan was live, cached when last "
+         "seen", "rolling.hits"),
+        ("datacache_daemon_rolling_misses", "counter", "samples read while a plan was live, not cached",
+         "rolling.misses"),
     ]
 
     class Collector:
@@ -81,8 +99,23 @@ def make_metrics(daemon: Any) -> Any:
                 family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                     name, doc, labels=["dataset", "variant"])
                 for s in states:  # labels are public (any scraper): redacted whatever the state holds
-                    family.add_metric([redact_text(s["source"]), redact_text(s["variant"])], s[key])
+                    value = s
+                    for part in key.split("."):  # "rolling.window": a field of a nested object
+                        value = value[part]
+                    family.add_metric([redact_text(s["source"]), redact_text(s["variant"])], float(value))
                 yield family
+            # per live run: its progress as the daemons read it (run ids are random, not secrets)
+            run_docs = (("epoch", "the run's epoch"), ("trained", "samples per rank trained this epoch"),
+                        ("drawn", "samples per rank drawn by its loaders"), ("rate", "samples/s per rank"))
+            run_labels = ["dataset", "variant", "run"]
+            run_fams = [GaugeMetricFamily(f"datacache_daemon_run_{k}", doc, labels=run_labels)
+                        for k, doc in run_docs]
+            for s in states:
+                for run in s["rolling"]["live"]:
+                    labels = [redact_text(s["source"]), redact_text(s["variant"]), run["run"]]
+                    for fam, k in zip(run_fams, ("epoch", "trained", "drawn", "rate")):
+                        fam.add_metric(labels, float(run[k]))
+            yield from run_fams
             for name, doc, value in (
                     ("datacache_daemon_store_up", "1 when the cache store answers (every master of it)",
                      daemon.store_health()["ok"]),

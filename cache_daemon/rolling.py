@@ -80,6 +80,7 @@ class RollingStats:
     misses: int = 0
     fill_rate: float = 0.0
     active: bool = False
+    live: list[dict[str, Any]] = field(default_factory=list)  # the understood runs' progress (<= 16)
     history: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
 
     def as_json(self) -> dict[str, Any]:
@@ -88,7 +89,7 @@ class RollingStats:
                 "window": self.window, "lead": self.lead, "evicted": self.evicted, "filled": self.filled,
                 "hits": self.hits, "misses": self.misses,
                 "hit_ratio": round(self.hits / seen, 4) if seen else None,
-                "fill_rate": round(self.fill_rate, 1)}
+                "fill_rate": round(self.fill_rate, 1), "live": list(self.live)}
 
 
 def plan_client(store: Any, key: bytes) -> Any:
@@ -141,6 +142,7 @@ class RollingFill:
         self.avg_bytes = 0.0
         self.warned: set[str] = set()
         self.logged = False  # the start of rolling was logged (once per stretch of live plans)
+        self.run_ids: tuple[str, ...] = ()  # of the servers holding this node's samples (restart = new id)
 
     # ------------------------------------------------------------ plans -> next uses
     def _owners(self, store: Any, prefix: bytes, n: int, masters: list[str]) -> np.ndarray:
@@ -188,7 +190,12 @@ class RollingFill:
         """One rolling step; False when no understood run is live (the caller goes back to MinIO)."""
         reader = work.reader
         n = len(reader.manifest)
-        runs, problems = read_runs(store, state.fingerprint, work.tag)
+        try:
+            runs, problems = read_runs(store, state.fingerprint, work.tag)
+        except Exception as e:  # the plans' master is down or refuses: no plan is known -> MinIO
+            self._warn_once(f"unreadable {type(e).__name__}", "%s %s: run plans unreadable (%s); MinIO fill "
+                            "until they can be read", state.spec.source, work.tag, type(e).__name__)
+            runs, problems = [], []
         self.stats.invalid = len(problems)
         for p in problems:
             self._warn_once(p, "%s %s: run plan ignored: %s", state.spec.source, work.tag, p)
@@ -196,6 +203,8 @@ class RollingFill:
         for h in held:
             self._warn_once(h, "%s %s: %s", state.spec.source, work.tag, h)
         self.stats.runs, self.stats.held = len(good), len(held)
+        self.stats.live = [{"run": rec.run, "epoch": rec.epoch, "trained": rec.trained, "drawn": rec.drawn,
+                            "rate": round(rec.rate, 1)} for rec, _ in good]
         if not good:
             self.stats.active = False
             self.prev = None
@@ -206,6 +215,9 @@ class RollingFill:
             self.own, self.cached, self.verified_at = np.asarray(own, dtype=np.int64), None, 0.0
         assert self.own is not None
         now = time.monotonic()
+        ids = _run_ids(cfg, store)
+        if ids != self.run_ids:  # a master restarted (empty): what it held is gone, look again now
+            self.cached, self.run_ids = None, ids
         if self.cached is None or now - self.verified_at >= VERIFY_S:
             missing = missing_in(reader, store, self.own)
             self.cached = ~np.isin(self.own, missing)
@@ -232,8 +244,9 @@ class RollingFill:
 
         # 4. room under the budget: delete what every run has read, latest needed first (Belady)
         used, budget = node_memory(cfg, store)
+        floor = float(reader.variant.short_side ** 2 * 3)  # a record holds at least s x s x 3 bytes
         if budget and len(cand):
-            avg = self.avg_bytes or float(reader.variant.short_side ** 2 * 3 * 2)
+            avg = max(self.avg_bytes, floor) if self.avg_bytes else 2 * floor
             fits = int(max(0.0, HEADROOM * budget - used) // avg)
             if fits < len(cand):
                 evict: np.ndarray = np.empty(0, dtype=np.int64)
@@ -251,6 +264,7 @@ class RollingFill:
                     gone = store.delete_many(keys)
                     cached[evict] = False
                     self.stats.evicted += int(gone)
+                    used, budget = node_memory(cfg, store)  # after the deletions: the fill's baseline
         if not len(cand):
             self._finish(nu, cached)
             stop.wait(IDLE_S)
@@ -259,9 +273,16 @@ class RollingFill:
         # 5. fill them in next-use order, then see what landed
         t0 = time.monotonic()
         before = used
+        halt = _Halt(stop)
+
+        def on_chunk(_rep: Any) -> None:  # the hard check after every written chunk (as MinIO's)
+            if budget and node_memory(cfg, store)[0] >= HEADROOM * budget:
+                halt.full = True
+
         rep = fill_missing(reader, self.own[cand], workers=cfg.workers or None, decoder=decoder,
-                           progress=False, stop=stop, store=store, store_spec=work.store_spec, pool=pool,
-                           desc=f"{cfg.node} {work.tag} rolling", quiet=True)
+                           progress=False, stop=halt, on_chunk=on_chunk, store=store,
+                           store_spec=work.store_spec, pool=pool, desc=f"{cfg.node} {work.tag} rolling",
+                           quiet=True)
         seconds = time.monotonic() - t0
         landed = ~np.isin(self.own[cand], missing_in(reader, store, self.own[cand]))
         cached[cand] = landed
@@ -276,8 +297,8 @@ class RollingFill:
             self.stats.fill_rate = fresh if not old else 0.7 * old + 0.3 * fresh
         if budget and rep.written:
             after, _ = node_memory(cfg, store)
-            if after > before:
-                per_sample = (after - before) / rep.written
+            per_sample = (after - before) / rep.written
+            if per_sample >= floor:  # (smaller: other clients' buffers moved meanwhile -- noise)
                 self.avg_bytes = per_sample if not self.avg_bytes else 0.8 * self.avg_bytes + 0.2 * per_sample
         self._finish(nu, cached)
         return True
@@ -328,6 +349,27 @@ class RollingFill:
             if len(self.warned) > 256:
                 self.warned = {what}
             log.warning(fmt, *args)
+
+
+class _Halt:
+    """Stops one fill step on SIGTERM (the daemon's event) or when the node reaches the headroom."""
+
+    def __init__(self, outer: threading.Event) -> None:
+        self.outer = outer
+        self.full = False
+
+    def is_set(self) -> bool:
+        return self.full or self.outer.is_set()
+
+
+def _run_ids(cfg: Any, store: Any) -> tuple[str, ...]:
+    """The ``run_id`` of the server(s) holding this node's samples: this node's master (a cluster), the
+    one server otherwise. One ``INFO server`` each; ``()`` when it cannot be read (then nothing changes)."""
+    try:
+        addrs = [cfg.redis_node] if getattr(store, "sharded", False) and cfg.redis_node else store.masters()
+        return tuple(str(store.node_client(a).info("server").get("run_id", "")) for a in addrs)
+    except Exception:
+        return ()
 
 
 def session(cfg: Any, state: Any, store: Any, work: Any, rolling: RollingFill, *, decoder: Any, pool: Any,
