@@ -69,7 +69,9 @@ class PlanPublisher:
         from datacache.fillstatus import status_store
 
         reader = dataset.reader
-        return cls(status_store(reader.store), reader.manifest.fingerprint, reader.variant.tag(), **kw)
+        pub = cls(status_store(reader.store), reader.manifest.fingerprint, reader.variant.tag(), **kw)
+        hold_shared_writes(dataset)
+        return pub
 
     # ------------------------------------------------------------ told by the sampler (training thread)
     def epoch(self, epoch: int, owners: np.ndarray, *, replanned: bool = False) -> None:
@@ -168,6 +170,25 @@ class PlanPublisher:
             except Exception as e:
                 log.debug("run plan: closing failed (%s); it expires in %d ms", e, self.ttl_ms)
             self.slot = None
+
+
+def hold_shared_writes(dataset: Any) -> None:
+    """Under a rolling fill the daemons own the window: this dataset (and every loader worker it is
+    pickled to) decodes its misses and serves them without writing them back to a shared tier, even one
+    opened ``?write_back=1``. Local tiers (LMDB) keep their write-back."""
+    from dataclasses import replace
+
+    from datacache.readthrough import SHARED_SCHEMES
+
+    reader = dataset.reader
+    cache = reader.cache
+    tiers = tuple(replace(t, options=tuple(o for o in t.options if o[0] != "write_back"))
+                  if t.scheme in SHARED_SCHEMES else t for t in cache.tiers)
+    if tiers != cache.tiers:
+        reader.cache = replace(cache, tiers=tiers)
+        reader._reset()  # the store is opened again from the new spec: shared tiers read-only
+        log.info("run plan: misses are not written back to the shared tiers (the daemons' rolling fill "
+                 "owns the window)")
 
 
 def _run_of(raw: bytes) -> str | None:

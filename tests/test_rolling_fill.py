@@ -282,3 +282,27 @@ def test_a_restarted_daemon_rebuilds_its_window(redis_cluster, folder, pool) -> 
     assert job.ds.stats()["decoded"] <= 0.1 * len(job.read)
     assert np.isfinite([s["window"] for s in job.stats()]).all()
     job.pub.close()
+
+
+def test_a_publishing_client_does_not_write_misses_back(redis_cluster, folder) -> None:
+    """Under a rolling fill the daemons own the window: even a ``?write_back=1`` client (its own Redis)
+    serves its misses without writing them, in this process and in a loader worker."""
+    from torch.utils.data import DataLoader
+
+    from tests.redis_utils import private
+
+    for m in redis_cluster.masters:
+        flushall(m.port)
+    ds = CachedImageNet(folder, cache=private(redis_cluster.url), short_side=SHORT, t1_dir=None)
+    ds.__getitems__([0, 1])
+    assert all(ds.store.contains([ds.key(0), ds.key(1)]))  # write-back as asked, before the plan
+    pub = PlanPublisher.for_dataset(ds, seed=0, exchange=0.0, drop_last=False, node_of_rank=LAYOUT,
+                                    masters=[m.addr for m in redis_cluster.masters])
+    try:
+        got = ds.__getitems__([2, 3])
+        assert all(torch.equal(img, reference(ds, i)) for i, (img, _) in zip([2, 3], got))
+        loader = DataLoader(ds, batch_size=2, num_workers=1, sampler=[4, 5], collate_fn=lambda b: b)
+        assert len(next(iter(loader))) == 2
+        assert not any(ds.store.contains([ds.key(i) for i in (2, 3, 4, 5)]))
+    finally:
+        pub.close()
