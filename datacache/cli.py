@@ -40,6 +40,16 @@ def _positive(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 
 
+def _rate(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of samples/s, got {text!r}")
+    return v
+
+
 def _non_negative(text: str) -> int:
     return _int_at_least(text, 0, "an integer >= 0")
 
@@ -167,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="files decoded to measure sizes (default 64)")
     pl.add_argument("--measure-redis", action="store_true",
                     help="also measure the per-key cost on a throwaway redis-server (needs redis-server)")
+    pl.add_argument("--train-rate", type=_rate, default=None, metavar="SAMPLES/S",
+                    help="the training job's samples/s: the hit ratio to expect with a rolling fill, "
+                         "min(1, f + B/R) (docs/cluster.md)")
+    pl.add_argument("--fill-rate", type=_rate, default=None, metavar="SAMPLES/S",
+                    help="the daemons' fill rate, all nodes together (default: the decode rate measured "
+                         "here x --fill-workers x --nodes)")
+    pl.add_argument("--fill-workers", type=_positive, default=8,
+                    help="decode processes per daemon for the default --fill-rate (default 8)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     s = sub.add_parser(
@@ -255,7 +273,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from datacache.plan import format_plan, plan
 
     p = plan(args.source, nodes=args.nodes, memory_per_node=args.memory_per_node, short_side=args.short_side,
-             sample=args.sample, measure_redis=args.measure_redis)
+             sample=args.sample, measure_redis=args.measure_redis, train_rate=args.train_rate,
+             fill_rate=args.fill_rate, fill_workers=args.fill_workers)
     print(json.dumps(p, indent=1) if args.json else format_plan(p))
     return 0
 

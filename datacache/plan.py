@@ -99,8 +99,15 @@ class Layout:
 
 
 def plan(source: str, *, nodes: int, memory_per_node: int, short_side: int = 160, sample: int = 64,
-         storage_options: dict | None = None, measure_redis: bool = False) -> dict[str, Any]:
-    """The numbers behind ``datacache plan`` (see the module docstring)."""
+         storage_options: dict | None = None, measure_redis: bool = False, train_rate: float | None = None,
+         fill_rate: float | None = None, fill_workers: int = 8) -> dict[str, Any]:
+    """The numbers behind ``datacache plan`` (see the module docstring).
+
+    ``train_rate`` (samples/s of the training job) and ``fill_rate`` (samples/s the daemons fill, all
+    nodes together; default: this machine's measured decode rate per process x ``fill_workers`` x
+    ``nodes``) give the hit ratio to expect when raw records do not all fit: MinIO (no run plan) keeps a
+    fixed fraction f, the rolling fill (a live run plan) reaches min(1, f + B/R) (docs/cluster.md)."""
+    import time
     man = Manifest.build(source, storage_options=storage_options)
     n = len(man)
     if n == 0:
@@ -110,13 +117,16 @@ def plan(source: str, *, nodes: int, memory_per_node: int, short_side: int = 160
     src = Source(man.root, t1_dir=None, storage_options=storage_options)
     datas = src.read_many([man.paths[i] for i in picks], sizes=[int(man.sizes[i]) for i in picks])
     raw_sizes, jpeg_sizes = [], []
+    decode_s = 0.0
     for i, data in zip(picks, datas):
         if isinstance(data, BaseException):
             continue
+        t0 = time.perf_counter()
         try:
             px = decode_image(data, raw_v, name=man.paths[i])
         except DecodeError:
             continue
+        decode_s += time.perf_counter() - t0
         key = b"dc:0123456789abcdef:%s:%d" % (raw_v.tag().encode(), i)
         raw_sizes.append(len(encode_record(px, int(man.labels[i]), raw_v, key=key)))
         jpeg_sizes.append(len(encode_record(px, int(man.labels[i]), jpeg_v, key=key)))
@@ -148,9 +158,16 @@ def plan(source: str, *, nodes: int, memory_per_node: int, short_side: int = 160
         smaller = max(32, int(short_side * math.sqrt(capacity / layouts[0].total)) // 8 * 8)
         rec = (f"nothing fits: with the MinIO policy (noeviction) {frac:.0%} of the jpeg records stay cached "
                f"and the hit ratio is ~{frac:.0%}; or use a smaller short side (~{smaller} px raw fits)")
+    f = min(1.0, capacity / layouts[0].total)  # of the raw records (a jpeg fallback aside)
+    per_process = len(raw_sizes) / decode_s if decode_s > 0 else 0.0
+    b = fill_rate if fill_rate is not None else per_process * fill_workers * nodes
+    hit = {"cached_fraction": f, "minio": f, "fill_rate": b, "fill_rate_measured": fill_rate is None,
+           "decode_rate_per_process": per_process, "train_rate": train_rate,
+           "rolling": min(1.0, f + b / train_rate) if train_rate else None}
     return {"source": man.root, "samples": n, "sampled": len(raw_sizes), "short_side": short_side,
             "nodes": nodes, "memory_per_node": memory_per_node, "capacity": capacity,
-            "layouts": [lay.__dict__ for lay in layouts], "redis_measured": measured, "recommendation": rec}
+            "layouts": [lay.__dict__ for lay in layouts], "redis_measured": measured, "recommendation": rec,
+            "hit_ratio": hit}
 
 
 def human(n: float) -> str:
@@ -176,4 +193,16 @@ def format_plan(p: dict[str, Any]) -> str:
                      f"(model {m['model']:.0f} B)")
     lines.append("  Redis per-key cost included (jemalloc size class + ~150 B, measured: datacache/plan.py)")
     lines.append(f"recommendation: {p['recommendation']}")
+    h = p["hit_ratio"]
+    if h["cached_fraction"] < 1.0:
+        how = (f"{h['decode_rate_per_process']:.0f}/s per decode process measured here x workers x nodes"
+               if h["fill_rate_measured"] else "--fill-rate")
+        line = (f"hit ratio (raw records, {h['cached_fraction']:.0%} cached): MinIO (no run plan) "
+                f"~{h['minio']:.2f}; ")
+        if h["rolling"] is not None:
+            line += (f"rolling fill (a live run plan) min(1, f + B/R) = {h['rolling']:.2f} with B = "
+                     f"{h['fill_rate']:.0f} samples/s ({how}), R = {h['train_rate']:.0f} samples/s")
+        else:
+            line += "pass --train-rate (the job's samples/s) for the rolling fill's min(1, f + B/R)"
+        lines.append(line)
     return "\n".join(lines)

@@ -37,6 +37,26 @@ def test_plan_numbers_and_recommendations(imagefolder_factory, capsys) -> None:
     tight = plan(root, nodes=1, memory_per_node=int(raw["per_sample"] * 10 / 0.9), short_side=96, sample=20)
     assert [lay["fits"] for lay in tight["layouts"][:2]] == [False, True]
     assert tight["recommendation"].startswith("encoding='jpeg'")
+    # the hit ratio to expect when raw records do not all fit: MinIO keeps f, a rolling fill min(1, f + B/R)
+    f = tight["capacity"] / tight["layouts"][0]["total"]
+    assert tight["hit_ratio"]["minio"] == pytest.approx(f) and 0.4 < f < 0.6
+    assert tight["hit_ratio"]["rolling"] is None  # no training rate given: not guessed
+    rated = plan(root, nodes=1, memory_per_node=int(raw["per_sample"] * 10 / 0.9), short_side=96, sample=20,
+                 train_rate=100.0, fill_rate=25.0)
+    assert rated["hit_ratio"]["rolling"] == pytest.approx(f + 0.25)
+    fast = plan(root, nodes=1, memory_per_node=int(raw["per_sample"] * 10 / 0.9), short_side=96, sample=20,
+                train_rate=100.0, fill_rate=80.0)
+    assert fast["hit_ratio"]["rolling"] == 1.0
+    measured = plan(root, nodes=2, memory_per_node=int(raw["per_sample"] * 10 / 0.9), short_side=96,
+                    sample=20, train_rate=100.0, fill_workers=3)
+    h = measured["hit_ratio"]
+    assert h["fill_rate"] == pytest.approx(h["decode_rate_per_process"] * 3 * 2) and h["fill_rate"] > 0
+    assert main(["plan", root, "--nodes", "1", "--memory-per-node", str(int(raw["per_sample"] * 10 / 0.9)),
+                 "--short-side", "96", "--train-rate", "100", "--fill-rate", "25"]) == 0
+    assert f"min(1, f + B/R) = {f + 0.25:.2f}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", root, "--nodes", "1", "--memory-per-node", "1GiB", "--train-rate", "0"])
+    assert "--train-rate" in capsys.readouterr().err
     none = plan(root, nodes=1, memory_per_node=int(jpeg["per_sample"] * 5), short_side=96, sample=20)
     assert none["recommendation"].startswith("nothing fits") and "MinIO" in none["recommendation"]
     assert main(["plan", root, "--nodes", "2", "--memory-per-node", "64MiB", "--short-side", "96"]) == 0
