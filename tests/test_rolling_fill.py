@@ -35,10 +35,23 @@ LAYOUT = [0, 1, 2]
 BATCH = 8
 
 
+_PUBLISHERS: list[PlanPublisher] = []
+
+
 @pytest.fixture(autouse=True)
-def short_sessions(monkeypatch: pytest.MonkeyPatch) -> None:
+def short_sessions(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(rolling, "SESSION_S", 0.6)  # a pass returns quickly: the test interleaves
     monkeypatch.setattr(rolling, "IDLE_S", 0.02)
+    real = PlanPublisher.__init__
+
+    def track(self, *a, **kw):  # every publisher a test made is closed after it, even a failed one
+        real(self, *a, **kw)
+        _PUBLISHERS.append(self)
+
+    monkeypatch.setattr(PlanPublisher, "__init__", track)
+    yield
+    while _PUBLISHERS:
+        _PUBLISHERS.pop().close()
 
 
 @pytest.fixture(scope="module")
@@ -306,3 +319,35 @@ def test_a_publishing_client_does_not_write_misses_back(redis_cluster, folder) -
         assert not any(ds.store.contains([ds.key(i) for i in (2, 3, 4, 5)]))
     finally:
         pub.close()
+
+
+def test_a_layout_change_re_plans(redis_cluster, folder, pool) -> None:
+    """The run comes back on another layout (2 nodes: ranks 0, 1 on node 0, rank 2 on node 1) from the
+    next epoch: the daemons plan with the new record -- deletions only of what the NEW plan has read,
+    and the trainer keeps reading from the cache."""
+    job = Job(redis_cluster, folder, pool, fraction=0.5)
+    job.epoch(0)
+    for _ in range(3):
+        job.passes()
+        job.step()
+    job.pub.close()
+    layout, masters = [0, 0, 1], job.masters[:2]
+    owners = owners_from_store(job.store, [job.ds.key(i) for i in range(job.n)], masters)
+    job.pub = PlanPublisher.for_dataset(job.ds, seed=job.seed, exchange=0.0, drop_last=False,
+                                        node_of_rank=layout, masters=masters, interval=0.05)
+    job.samplers = [LocalitySampler(owners, layout, r, seed=job.seed, publisher=job.pub if r == 0 else None)
+                    for r in range(3)]
+    job.epoch(1)
+    pos1 = positions(job, 1)
+    before_del, before_dec = len(job.deleted), job.ds.stats()["decoded"]
+    for _ in range(4):
+        job.passes()
+        job.step()
+    assert all(s["runs"] == 1 and s["live"][0]["run"] == job.pub.record.run for s in job.stats())
+    assert len(job.deleted) > before_del
+    for keys, trained in job.deleted[before_del:]:
+        for k in keys:
+            i = int(k.rsplit(b":", 1)[1])
+            assert not min(trained) <= pos1[i] < min(trained) + BATCH, i  # never what is read next
+    assert job.ds.stats()["decoded"] - before_dec <= 0.1 * 4 * 3 * BATCH
+    job.pub.close()
