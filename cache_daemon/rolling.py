@@ -63,6 +63,7 @@ HEADROOM = 0.97  # of the memory budget: the rolling fill keeps below it (maxmem
 SLACK_S = 1.5  # a sample needed sooner than this (plus the fill queue ahead of it) is not worth filling
 MAX_STEP = 2048  # samples filled per step at most
 IDLE_S = 0.25  # wait when a step had nothing to do
+SIZE_EVERY = 50  # steps between two measurements of the records' size
 
 
 @dataclass
@@ -139,7 +140,8 @@ class RollingFill:
         self.orders: dict[tuple[Any, ...], EpochOrder] = {}
         self.slots_of: tuple[int, np.ndarray] | None = None  # (n, slot of every index's key)
         self.prev: tuple[frozenset[tuple[str, int]], np.ndarray, np.ndarray] | None = None
-        self.avg_bytes = 0.0
+        self.avg_bytes = 0.0  # Redis memory per record (_record_bytes)
+        self.size_age = 0
         self.warned: set[str] = set()
         self.logged = False  # the start of rolling was logged (once per stretch of live plans)
         self.run_ids: tuple[str, ...] = ()  # of the servers holding this node's samples (restart = new id)
@@ -244,9 +246,8 @@ class RollingFill:
 
         # 4. room under the budget: delete what every run has read, latest needed first (Belady)
         used, budget = node_memory(cfg, store)
-        floor = float(reader.variant.short_side ** 2 * 3)  # a record holds at least s x s x 3 bytes
         if budget and len(cand):
-            avg = max(self.avg_bytes, floor) if self.avg_bytes else 2 * floor
+            avg = self._record_bytes(reader, store, cached)
             fits = int(max(0.0, HEADROOM * budget - used) // avg)
             if fits < len(cand):
                 evict: np.ndarray = np.empty(0, dtype=np.int64)
@@ -264,7 +265,6 @@ class RollingFill:
                     gone = store.delete_many(keys)
                     cached[evict] = False
                     self.stats.evicted += int(gone)
-                    used, budget = node_memory(cfg, store)  # after the deletions: the fill's baseline
         if not len(cand):
             self._finish(nu, cached)
             stop.wait(IDLE_S)
@@ -272,7 +272,6 @@ class RollingFill:
 
         # 5. fill them in next-use order, then see what landed
         t0 = time.monotonic()
-        before = used
         halt = _Halt(stop)
 
         def on_chunk(_rep: Any) -> None:  # the hard check after every written chunk (as MinIO's)
@@ -295,13 +294,31 @@ class RollingFill:
             fresh = rep.decoded / seconds
             old = self.stats.fill_rate
             self.stats.fill_rate = fresh if not old else 0.7 * old + 0.3 * fresh
-        if budget and rep.written:
-            after, _ = node_memory(cfg, store)
-            per_sample = (after - before) / rep.written
-            if per_sample >= floor:  # (smaller: other clients' buffers moved meanwhile -- noise)
-                self.avg_bytes = per_sample if not self.avg_bytes else 0.8 * self.avg_bytes + 0.2 * per_sample
         self._finish(nu, cached)
         return True
+
+    def _record_bytes(self, reader: Any, store: Any, cached: np.ndarray) -> float:
+        """Memory one of this dataset's records costs in Redis: the lengths of a few cached records (read
+        back: the variant's aspect ratios vary) through the server's allocation model
+        (:func:`datacache.plan.redis_bytes_per_key`), measured again every ``SIZE_EVERY`` steps. Not the
+        ``used_memory`` difference of a fill: other clients' buffers move it by more than a record."""
+        from datacache.plan import redis_bytes_per_key
+
+        assert self.own is not None
+        self.size_age -= 1
+        if self.avg_bytes and self.size_age > 0:
+            return self.avg_bytes
+        have = np.flatnonzero(cached)
+        if len(have):
+            pick = have[np.random.default_rng().choice(len(have), size=min(8, len(have)), replace=False)]
+            values = store.get_many(reader.keys(self.own[pick].tolist()))
+            sizes = [redis_bytes_per_key(len(v)) for v in values if v is not None]
+            if sizes:
+                self.avg_bytes, self.size_age = float(np.mean(sizes)), SIZE_EVERY
+                return self.avg_bytes
+        # nothing cached yet: a 4:3 image at the variant's short side, through the same model
+        s = reader.variant.short_side
+        return self.avg_bytes or redis_bytes_per_key(s * min(reader.variant.long_cap, s * 4 // 3) * 3 + 64)
 
     def _protected(self, per_run: list[Any], capacity: int) -> np.ndarray:
         """Owned samples no deletion may touch: each live run's soonest ``capacity / runs`` needs
