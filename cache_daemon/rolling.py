@@ -58,7 +58,7 @@ from datacache.warm import fill_missing, missing_in
 
 log = logging.getLogger("cache_daemon.rolling")
 SESSION_S = 20.0  # a rolling session's length before the round loop runs again
-VERIFY_S = 10.0  # presence re-checked with EXISTS this often
+VERIFY_S = 60.0  # presence re-checked with EXISTS this often (a restarted master is seen at once: run_id)
 HEADROOM = 0.97  # of the memory budget: the rolling fill keeps below it (maxmemory stays the hard guard)
 SLACK_S = 1.5  # a sample needed sooner than this (plus the fill queue ahead of it) is not worth filling
 MAX_STEP = 2048  # samples filled per step at most
@@ -215,6 +215,7 @@ class RollingFill:
         own = work.own.indices
         if self.own is None or len(self.own) != len(own) or not np.array_equal(self.own, own):
             self.own, self.cached, self.verified_at = np.asarray(own, dtype=np.int64), None, 0.0
+            self.prev = None  # (another ownership: the last step's arrays are of other samples)
         assert self.own is not None
         now = time.monotonic()
         ids = _run_ids(cfg, store)
