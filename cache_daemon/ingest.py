@@ -60,6 +60,7 @@ from datacache.warm import WarmReport, fill_missing, missing_in
 
 log = logging.getLogger("cache_daemon.ingest")
 REPORT_EVERY_S = 1.0
+REPREPARE_S = 120.0  # while rolling: the source is listed again (revalidated) at most this often
 
 
 @dataclass
@@ -74,6 +75,8 @@ class PassMemo:
     # counts as done only when it is here, so a forged or stale entry is re-checked by one decode
     bad_checked: set[bytes] = field(default_factory=set)
     rolling: RollingFill = field(default_factory=RollingFill)  # live run plans: cache_daemon.rolling
+    work: Any = None  # the last _prepare's _Pass, reused between rolling sessions for REPREPARE_S
+    work_at: float = 0.0
 
 
 @dataclass
@@ -181,7 +184,13 @@ def ingest_pass(cfg: DaemonConfig, state: DatasetState, store: Any, *, decoder: 
     a worker that died mid-pass fails the pass and the pool is discarded (a fresh one next time).
     ``watch``: told how much the pass owns, so a derived deadline grows with the work."""
     try:
-        work = _prepare(cfg, state, store, decoder, stop)
+        memo = state.memo
+        fresh = memo.work is not None and time.monotonic() - memo.work_at < REPREPARE_S
+        if state.status == "rolling" and fresh:
+            work = memo.work  # between two rolling sessions: no re-listing (the readers are waiting)
+        else:
+            work = _prepare(cfg, state, store, decoder, stop)
+            memo.work, memo.work_at = work, time.monotonic()
         if plans_possible(cfg, store) and session(
                 cfg, state, store, work, state.memo.rolling, decoder=decoder, pool=pool, stop=stop,
                 node_memory=node_memory, report=lambda: _report(cfg, state, store, work.tag)):

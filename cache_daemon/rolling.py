@@ -12,7 +12,9 @@ of short steps instead of the MinIO fill (a fixed subset, never evicted). Each s
    (:func:`datacache.run_plan.combine`);
 3. picks the next uncached samples in next-use order, skipping those the trainers will reach before this
    node can fill them (the run's measured rate, this node's measured fill rate and a slack for the
-   progress record's age);
+   progress record's age), and only once one of them would otherwise be late within ``LEAD_S``
+   seconds (just in time: a window far ahead of the readers costs memory and, near an epoch's end,
+   decodes of samples evicted too early);
 4. makes room under the memory budget by deleting cached samples outside every live run's share of
    the window (each run keeps its soonest ``capacity / runs`` needs; one run: Belady's window), never one
    in flight (``trained <= position < drawn``), the latest needed first, and only one whose next use is
@@ -57,11 +59,16 @@ from datacache.run_plan import (
 from datacache.warm import fill_missing, missing_in
 
 log = logging.getLogger("cache_daemon.rolling")
-SESSION_S = 20.0  # a rolling session's length before the round loop runs again
+SESSION_S = 60.0  # a rolling session's length before the round loop runs again
 VERIFY_S = 60.0  # presence re-checked with EXISTS this often (a restarted master is seen at once: run_id)
 HEADROOM = 0.97  # of the memory budget: the rolling fill keeps below it (maxmemory stays the hard guard)
 SLACK_S = 1.5  # a sample needed sooner than this (plus the fill queue ahead of it) is not worth filling
 MAX_STEP = 2048  # samples filled per step at most
+# Just in time: fill only once some candidate would otherwise be late within LEAD_S seconds. Filling
+# further ahead buys no hit (the fill keeps up) but holds memory longer, and a window that runs far
+# ahead of the readers evicts, near an epoch's end, samples kept for the next epoch that then have to be
+# decoded again: decodes above MinIO's (1 - f) N per epoch.
+LEAD_S = 5.0
 IDLE_S = 0.25  # wait when a step had nothing to do
 SIZE_EVERY = 50  # steps between two measurements of the records' size
 
@@ -239,8 +246,11 @@ class RollingFill:
         rate = max((rec.rate for rec, _ in good), default=0.0)  # per-rank samples/s of the fastest run
         if rate > 0 and len(cand):
             per = 1.0 / self.stats.fill_rate if self.stats.fill_rate > 0 else 0.0
-            queue_s = np.arange(1, len(cand) + 1) * per + SLACK_S
-            cand = cand[nu[cand] > rate * queue_s]
+            # seconds between this node having filled the j-th candidate and the trainers reading it
+            slack = nu[cand] / rate - np.arange(1, len(cand) + 1) * per
+            cand = cand[slack > SLACK_S]  # reached before it could be filled: leave it to the reader
+            if per > 0 and len(cand) and (slack[slack > SLACK_S] >= LEAD_S).all():
+                cand = cand[:0]  # just in time: nothing would be late yet (see LEAD_S)
         want = max(16 * max(1, pool.workers if pool is not None else 1) * 2,
                    int(self.stats.fill_rate * 2.0))
         cand = cand[:min(MAX_STEP, want)]

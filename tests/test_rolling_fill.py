@@ -313,6 +313,7 @@ def test_a_publishing_client_does_not_write_misses_back(redis_cluster, folder) -
         flushall(m.port)
     ds = CachedImageNet(folder, cache=private(redis_cluster.url), short_side=SHORT, t1_dir=None)
     ds.__getitems__([0, 1])
+    ds.store.flush(timeout=10)  # (write-back runs behind a background queue)
     assert all(ds.store.contains([ds.key(0), ds.key(1)]))  # write-back as asked, before the plan
     pub = PlanPublisher.for_dataset(ds, seed=0, exchange=0.0, drop_last=False, node_of_rank=LAYOUT,
                                     masters=[m.addr for m in redis_cluster.masters])
@@ -321,6 +322,7 @@ def test_a_publishing_client_does_not_write_misses_back(redis_cluster, folder) -
         assert all(torch.equal(img, reference(ds, i)) for i, (img, _) in zip([2, 3], got))
         loader = DataLoader(ds, batch_size=2, num_workers=1, sampler=[4, 5], collate_fn=lambda b: b)
         assert len(next(iter(loader))) == 2
+        ds.store.flush(timeout=10)
         assert not any(ds.store.contains([ds.key(i) for i in (2, 3, 4, 5)]))
     finally:
         pub.close()
