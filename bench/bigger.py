@@ -91,7 +91,7 @@ class Sizes:
 # ~12 s all-cached epochs: long against the daemons' step (~2 s), plan check (2 s) and slack (1.5 s)
 FULL = Sizes(images=2400, classes=10, batch=32, compute_s=0.45, epochs=4, allcached_epochs=2, sweep_epochs=2,
              rate_window_s=6.0, recalibrate=True)
-QUICK = Sizes(images=720, classes=6, batch=8, compute_s=0.03, epochs=2, allcached_epochs=2, sweep_epochs=1,
+QUICK = Sizes(images=720, classes=6, batch=24, compute_s=0.03, epochs=2, allcached_epochs=2, sweep_epochs=1,
               rate_window_s=1.0, recalibrate=False)
 
 
@@ -877,7 +877,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Writes bench/results/bigger.json and bigger.png (quick: "
                                         "bigger_quick.*).")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 720 images, batch 8, 2 epochs")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 720 images, batch 24, 2 epochs")
     ap.add_argument("--out-dir", default=None, help="where the JSON/PNG go (default bench/results)")
     ap.add_argument("--name", default=None, help="results name (default bigger, quick bigger_quick)")
     args = ap.parse_args(argv)

@@ -227,9 +227,12 @@ def plans_live(cfg: DaemonConfig, state: DatasetState, store: Any) -> bool:
     if not (plans_possible(cfg, store) and state.fingerprint and state.variant_tag):
         return False
     try:
-        return bool(read_runs(store, state.fingerprint, state.variant_tag)[0])
+        runs = read_runs(store, state.fingerprint, state.variant_tag)[0]
     except Exception:
         return False
+    # a run the last rolling step could not use (another slot map, another size, re-planned) does not
+    # count: the MinIO pass goes on and the wait between rounds is kept, until another run appears
+    return any(r.run not in state.memo.rolling.unusable for r in runs)
 
 
 def _prepare(cfg: DaemonConfig, state: DatasetState, store: Any, decoder: Any,

@@ -151,6 +151,7 @@ class RollingFill:
         self.size_age = 0
         self.warned: set[str] = set()
         self.logged = False  # the start of rolling was logged (once per stretch of live plans)
+        self.unusable: frozenset[str] = frozenset()  # live runs the last step could not reproduce
         self.run_ids: tuple[str, ...] = ()  # of the servers holding this node's samples (restart = new id)
 
     # ------------------------------------------------------------ plans -> next uses
@@ -214,6 +215,7 @@ class RollingFill:
         self.stats.runs, self.stats.held = len(good), len(held)
         self.stats.live = [{"run": rec.run, "epoch": rec.epoch, "trained": rec.trained, "drawn": rec.drawn,
                             "rate": round(rec.rate, 1)} for rec, _ in good]
+        self.unusable = frozenset(r.run for r in runs) - {rec.run for rec, _ in good}
         if not good:
             self.stats.active = False
             self.prev = None

@@ -119,7 +119,11 @@ class LocalitySampler:
 def owners_from_store(store: Any, keys: Sequence[bytes], node_masters: Sequence[str]) -> np.ndarray:
     """``owners[i]`` for a Redis Cluster store: the node (index into ``node_masters``, the master
     address on each node) whose master serves ``keys[i]``'s slot; ``-1`` for a master on no listed node,
-    and all ``-1`` for a store without shards (LMDB, one Redis server)."""
+    and all ``-1`` for a store without shards (LMDB, one Redis server). A tiered store (``ds.store``) is
+    asked through its Redis Cluster tier."""
+    tiers = getattr(store, "tiers", None)
+    if tiers is not None:  # a TieredStore is not itself sharded: its cluster tier holds the slot map
+        store = next((t for t in tiers if getattr(t, "sharded", False)), None)
     if store is None or not store.sharded:
         return np.full(len(keys), -1, dtype=np.int16)
     index = {addr: i for i, addr in enumerate(node_masters)}

@@ -202,8 +202,10 @@ def test_progress_backwards_refills_and_expired_run_falls_back(redis_cluster, fo
     job.its = [iter(s) for s in job.samplers]
     job.read = []
     before = job.ds.stats()["decoded"]
-    for _ in range(2):
+    for _ in range(10):  # (a pass is a 0.6 s session here: a loaded machine needs a few)
         job.passes()
+        if all(job.store.contains([job.ds.key(i) for i in first])):
+            break
     assert all(job.store.contains([job.ds.key(i) for i in first]))
     job.step()
     assert job.ds.stats()["decoded"] == before  # served from the refilled cache
@@ -358,3 +360,27 @@ def test_a_layout_change_re_plans(redis_cluster, folder, pool) -> None:
             assert not min(trained) <= pos1[i] < min(trained) + BATCH, i  # never what is read next
     assert job.ds.stats()["decoded"] - before_dec <= 0.1 * 4 * 3 * BATCH
     job.pub.close()
+
+
+def test_an_unusable_plan_alone_leaves_minio_running_and_the_wait_kept(redis_cluster, folder, pool) -> None:
+    """Only a plan this daemon cannot reproduce is live: the MinIO pass runs to its budget (not stopped
+    chunk after chunk) and the round loop keeps its wait (plans_live is False), no busy loop; and the
+    owners of a tiered store (``ds.store``) are its cluster tier's, not all -1."""
+    from cache_daemon.ingest import plans_live
+
+    job = Job(redis_cluster, folder, pool, fraction=0.4)
+    job.pub.close()
+    keys = [job.ds.key(i) for i in range(job.n)]
+    assert (owners_from_store(job.ds.store, keys, job.masters) == job.owners).all()
+    assert (job.owners >= 0).all()
+    fp, tag = job.ds.manifest.fingerprint, job.ds.variant.tag()
+    foreign = RunRecord(run="cd" * 8, seed=1, epoch=0, exchange=0.0, drop_last=False, node_of_rank=LAYOUT,
+                        masters=job.masters, owners_digest="0" * 16, samples=job.n)
+    job.store.client_for(slot_key(fp, tag, 3)).set(slot_key(fp, tag, 3), foreign.encode(), px=60_000)
+    job.passes()
+    job.passes()
+    for st, cfg in zip(job.states, job.cfgs):
+        assert st.memo.rolling.unusable == {"cd" * 8}
+        assert st.status in ("budget", "full"), st.status  # the MinIO pass ran to its end
+        assert not plans_live(cfg, st, job.store)
+    assert job.deleted == []
