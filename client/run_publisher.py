@@ -114,7 +114,9 @@ class PlanPublisher:
         elif now - self._rate_mark[0] >= 1.0:
             t0, n0 = self._rate_mark
             fresh = (r.trained - n0) / (now - t0)
-            r.rate = fresh if r.rate == 0 else 0.5 * r.rate + 0.5 * fresh
+            # no progress for a second (a stalled, resuming or finishing loop): rate 0, so the daemons do
+            # not skip the next samples as "about to be read"; otherwise smoothed over about 2 s
+            r.rate = 0.0 if fresh == 0 else (fresh if r.rate == 0 else 0.5 * r.rate + 0.5 * fresh)
             self._rate_mark = (now, r.trained)
         r.seq += 1
         return r.encode()
