@@ -89,7 +89,6 @@ class RollingStats:
     fill_rate: float = 0.0
     active: bool = False
     live: list[dict[str, Any]] = field(default_factory=list)  # the understood runs' progress (<= 16)
-    history: list[tuple[float, float, int]] = field(default_factory=list, repr=False)
 
     def as_json(self) -> dict[str, Any]:
         seen = self.hits + self.misses
@@ -100,15 +99,11 @@ class RollingStats:
                 "fill_rate": round(self.fill_rate, 1), "live": list(self.live)}
 
 
-def plan_client(store: Any, key: bytes) -> Any:
-    return store.client_for(key)
-
-
 def read_runs(store: Any, fingerprint: str, tag: str) -> tuple[list[RunRecord], list[str]]:
     """The valid live records of a dataset's plan slots (one per run: the highest ``seq``), and one
     problem text per ignored slot (never its content)."""
     keys = slot_keys(fingerprint, tag)
-    pipe = plan_client(store, keys[0]).pipeline(transaction=False)
+    pipe = store.client_for(keys[0]).pipeline(transaction=False)  # (every slot on one master)
     for k in keys:
         pipe.getrange(k, 0, MAX_RECORD_BYTES)  # MAX + 1 bytes at most: "longer than MAX" is seen
         pipe.pttl(k)
@@ -355,9 +350,6 @@ class RollingFill:
         run = cached[order]
         self.stats.lead = int(np.argmin(run)) if not run.all() else len(run)
         self.stats.window = int(cached.sum())
-        seen = self.stats.hits + self.stats.misses
-        self.stats.history.append((time.time(), self.stats.hits / seen if seen else 0.0, self.stats.lead))
-        del self.stats.history[:-600]
 
     def _count_reads(self, good: list[tuple[RunRecord, EpochOrder]], nu: np.ndarray,
                      consumed: np.ndarray) -> None:
