@@ -12,7 +12,8 @@ of short steps instead of the MinIO fill (a fixed subset, never evicted). Each s
    (:func:`datacache.run_plan.combine`);
 3. picks the next uncached samples in next-use order, skipping those the trainers will reach before this
    node can fill them (the run's measured rate, this node's measured fill rate and a slack for the
-   progress record's age), and only once one of them would otherwise be late within ``LEAD_S``
+   progress record's age; greedily: a skipped sample takes no fill time, :func:`reachable`), about
+   ``STEP_FILL_S`` seconds' worth, and only once one of them would otherwise be late within ``LEAD_S``
    seconds (just in time: a window far ahead of the readers costs memory and, near an epoch's end,
    decodes of samples evicted too early);
 4. makes room under the memory budget by deleting cached samples outside every live run's share of
@@ -62,13 +63,19 @@ log = logging.getLogger("cache_daemon.rolling")
 SESSION_S = 60.0  # a rolling session's length before the round loop runs again
 VERIFY_S = 60.0  # presence re-checked with EXISTS this often (a restarted master is seen at once: run_id)
 HEADROOM = 0.97  # of the memory budget: the rolling fill keeps below it (maxmemory stays the hard guard)
-SLACK_S = 1.5  # a sample needed sooner than this (plus the fill queue ahead of it) is not worth filling
+# a sample needed sooner than this (plus the fill queue ahead of it) is left to the reader: the progress
+# it is computed from is up to one publish interval old (0.25 s) and a chunk of 16 takes ~0.4 s to land
+SLACK_S = 0.75
+STEP_FILL_S = 0.5  # one step fills about this many seconds' worth (then looks at the plans again)
 MAX_STEP = 2048  # samples filled per step at most
 # Just in time: fill only once some candidate would otherwise be late within LEAD_S seconds. Filling
 # further ahead buys no hit (the fill keeps up) but holds memory longer, and a window that runs far
 # ahead of the readers evicts, near an epoch's end, samples kept for the next epoch that then have to be
-# decoded again: decodes above MinIO's (1 - f) N per epoch.
-LEAD_S = 5.0
+# decoded again: decodes above MinIO's (1 - f) N per epoch. Shorter, and a lag in the progress record
+# or a slow step makes the fill late: misses. (A simulation of bench.bigger's node -- 800 samples, half
+# cached, 80 reads/s, fill 42/s, progress 0.25 s old -- gave hit 0.98 / decodes 1.10x MinIO at 4 s,
+# 1.00 / 1.16x at 5 s, 0.95 / 1.08x at 3 s; with 1 s old progress, 5 s and 2 s per step: 0.93 / 1.30x.)
+LEAD_S = 4.0
 IDLE_S = 0.25  # wait when a step had nothing to do
 SIZE_EVERY = 50  # steps between two measurements of the records' size
 
@@ -241,16 +248,14 @@ class RollingFill:
         cand = np.flatnonzero(~cached & ahead)
         cand = cand[np.argsort(nu[cand], kind="stable")]
         rate = max((rec.rate for rec, _ in good), default=0.0)  # per-rank samples/s of the fastest run
+        want = min(MAX_STEP, max(16 * max(1, pool.workers if pool is not None else 1) * 2,
+                                 int(self.stats.fill_rate * STEP_FILL_S)))
         if rate > 0 and len(cand):
             per = 1.0 / self.stats.fill_rate if self.stats.fill_rate > 0 else 0.0
-            # seconds between this node having filled the j-th candidate and the trainers reading it
-            slack = nu[cand] / rate - np.arange(1, len(cand) + 1) * per
-            cand = cand[slack > SLACK_S]  # reached before it could be filled: leave it to the reader
-            if per > 0 and len(cand) and (slack[slack > SLACK_S] >= LEAD_S).all():
+            cand, slack = reachable(nu[cand] / rate, per, want, cand)
+            if per > 0 and len(cand) and slack.min() >= LEAD_S:
                 cand = cand[:0]  # just in time: nothing would be late yet (see LEAD_S)
-        want = max(16 * max(1, pool.workers if pool is not None else 1) * 2,
-                   int(self.stats.fill_rate * 2.0))
-        cand = cand[:min(MAX_STEP, want)]
+        cand = cand[:want]
 
         # 4. room under the budget: delete what every run has read, latest needed first (Belady)
         used, budget = node_memory(cfg, store)
@@ -371,6 +376,23 @@ class RollingFill:
             if len(self.warned) > 256:
                 self.warned = {what}
             log.warning(fmt, *args)
+
+
+def reachable(until: np.ndarray, per: float, want: int, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``want`` candidates (in next-use order, ``until``: seconds until the readers reach each)
+    this node can fill before the readers get there with ``SLACK_S`` to spare, filling one every ``per``
+    seconds in this order, and their slack. Greedy: a candidate left to the reader takes no fill time, so
+    it does not make the ones behind it late (counting it would skip whole stretches at a low fill rate)."""
+    keep: list[int] = []
+    slack: list[float] = []
+    for j in range(len(cand)):
+        s = float(until[j]) - (len(keep) + 1) * per
+        if s > SLACK_S:
+            keep.append(j)
+            slack.append(s)
+            if len(keep) >= want:
+                break
+    return cand[np.asarray(keep, dtype=np.int64)], np.asarray(slack, dtype=np.float64)
 
 
 class _Halt:

@@ -2,10 +2,10 @@
 
 Rank 0 of a run that samples with the locality plan makes one :class:`PlanPublisher`; the sampler tells it
 the epoch (with its owners snapshot), how many indices the loader has drawn and how many samples were
-trained; a background thread writes the record about once a second (``SET ... PX ttl``), so the daemons
-see a run that stopped (killed, frozen, finished) expire after ``ttl`` seconds by the server's clock.
-Publishing never raises into the training loop: a failure is logged once and counted, and the run goes
-on with the daemons' plain (MinIO) fill.
+trained; a background thread writes the record four times a second (``interval``; ``SET ... PX ttl``), so
+the daemons see a run that stopped (killed, frozen, finished) expire after ``ttl`` seconds by the
+server's clock. Publishing never raises into the training loop: a failure is logged once and counted,
+and the run goes on with the daemons' plain (MinIO) fill.
 
     pub = PlanPublisher.for_dataset(dataset, seed=0, exchange=0.1, drop_last=False,
                                     node_of_rank=layout, masters=masters_by_node)
@@ -45,7 +45,7 @@ class PlanPublisher:
 
     def __init__(self, store: Any, fingerprint: str, tag: str, *, seed: int, exchange: float, drop_last: bool,
                  node_of_rank: Sequence[int], masters: Sequence[str], ttl: float = DEFAULT_TTL_S,
-                 interval: float = 1.0, run: str | None = None) -> None:
+                 interval: float = 0.25, run: str | None = None) -> None:
         self.store, self.fingerprint, self.tag = store, fingerprint, tag
         self.ttl_ms = max(1, int(ttl * 1000))
         self.interval = float(interval)

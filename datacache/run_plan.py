@@ -2,7 +2,7 @@
 
 A run that samples with the locality plan (:mod:`datacache.epoch_plan`) reads its samples in an order
 that is a pure function of (seed, epoch, exchange, drop_last, rank layout, owners). Rank 0 publishes
-those inputs and the run's progress as one small JSON record, refreshed about once a second; every
+those inputs and the run's progress as one small JSON record, refreshed four times a second; every
 daemon recomputes the plan and so knows when each of its node's samples will be read next
 (:func:`uses_at`). Data-parallel ranks train in lockstep (every step trains one batch on every rank),
 so one rank's counts are every rank's.
