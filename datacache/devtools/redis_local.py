@@ -188,10 +188,21 @@ def server_args(port: int, *, cluster: bool = False, maxmemory: str | None = Non
     return args + list(extra or [])
 
 
+BIND_RETRIES = 5  # a port picked free can still be taken before the server binds it (another listener)
+
+
 def start_server(workdir: str, *, port: int | None = None, **kw: object) -> RedisServer:
-    """Start one standalone ``redis-server`` (``kw`` goes to :func:`server_args`)."""
-    port = port or free_port()
-    return RedisServer(port, workdir, server_args(port, **kw)).start()  # type: ignore[arg-type]
+    """Start one standalone ``redis-server`` (``kw`` goes to :func:`server_args`). A port picked here
+    that another process binds first (between the check and redis' bind: parallel tests pick ports
+    too) is replaced by another, up to ``BIND_RETRIES`` times; a port given is used or fails."""
+    for attempt in range(BIND_RETRIES):
+        p = port or free_port()
+        try:
+            return RedisServer(p, workdir, server_args(p, **kw)).start()  # type: ignore[arg-type]
+        except RuntimeError as e:
+            if port or attempt == BIND_RETRIES - 1 or "Address already in use" not in str(e):
+                raise
+    raise AssertionError("unreachable")
 
 
 @dataclass
@@ -276,13 +287,21 @@ def start_cluster(workdir: str, n: int = 3, *, ports: list[int] | None = None, *
     """Start ``n`` masters (no replicas) and join them into one cluster covering all 16384 slots. With
     ``roles=`` (role -> password) the masters run with the datacache roles and the cluster is created as
     ``admin``."""
-    ports = ports or [free_port() for _ in range(n)]
     roles = kw.get("roles")
     admin = str(roles[ADMIN]) if isinstance(roles, Mapping) else ""
     cl = LocalCluster(workdir=workdir, admin_password=admin)
     try:
-        for p in ports:
-            cl.masters.append(start_server(os.path.join(workdir, f"node-{p}"), port=p, cluster=True, **kw))
+        for i in range(n if ports is None else len(ports)):
+            for attempt in range(BIND_RETRIES):  # a picked port taken before the bind: pick another
+                p = ports[i] if ports is not None else free_port()
+                try:
+                    cl.masters.append(start_server(os.path.join(workdir, f"node-{p}"), port=p, cluster=True,
+                                                   **kw))
+                    break
+                except RuntimeError as e:
+                    taken = "Address already in use" in str(e)
+                    if ports is not None or attempt == BIND_RETRIES - 1 or not taken:
+                        raise
         out = subprocess.run(["redis-cli", *_admin_auth(admin), "--cluster", "create",
                               *[m.addr for m in cl.masters], "--cluster-replicas", "0", "--cluster-yes"],
                              capture_output=True, text=True, timeout=60, env=_admin_env(admin))

@@ -15,9 +15,10 @@ magnitude (as in ``torch.topk``), are always selected, and never raise.
 Two paths, one result (the same indices, tested):
 
 * **device** (CUDA, any non-CPU device; ``path="device"`` forces it on the CPU): keys of the
-  whole vector, :func:`~trainer.comm.topk_keys.kth_largest_key` over all key bits, then
-  :func:`~trainer.comm.topk_keys.select_exactly_k`. No host sync and no data-dependent shape:
-  it runs unchanged on the ``meta`` device and under ``torch.cuda.set_sync_debug_mode("error")``.
+  whole vector, the radix select :func:`~trainer.comm.radix_select.radix_kth_largest_key` over all
+  key bits (2 counting passes at fp32, not 31), then :func:`~trainer.comm.topk_keys.select_exactly_k`.
+  No host sync and no data-dependent shape: it runs unchanged on the ``meta`` device and under
+  ``torch.cuda.set_sync_debug_mode("error")``.
 * **compact** (CPU, ``COMPACT_MIN_NUMEL`` elements or more, ``k <= COMPACT_MAX_DENSITY * n``):
   a strided sample of ``m`` keys brackets ``T`` from below: ``t_lo`` is the sample's
   ``ceil(e + 4 sqrt(e) + 8)``-th largest key, ``e = k m / n`` (binomial error bars: a miss is
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.comm.radix_select import radix_kth_largest_key
 from trainer.comm.topk_keys import (
     check_input,
     compact_at_least,
@@ -87,8 +89,8 @@ def sample_ranks(n: int, k: int, m: int) -> tuple[int, int]:
 def _device_path(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Positions (int64, ascending) and the threshold key; no host sync, static shapes."""
     keys = magnitude_keys(x)
-    thres = kth_largest_key(keys, k, key_bits(x.dtype))
-    return select_exactly_k(keys, thres, k), thres
+    thres, need = radix_kth_largest_key(keys, k, key_bits(x.dtype))
+    return select_exactly_k(keys, thres, k, need), thres
 
 
 def _compact_path(x: Tensor, k: int, t_lo: int | None) -> tuple[Tensor, Tensor] | None:

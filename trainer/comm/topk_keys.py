@@ -123,16 +123,19 @@ def kth_largest_key(keys: Tensor, k: int, nbits: int, start: int = 0) -> Tensor:
     return t
 
 
-def select_exactly_k(keys: Tensor, thres: Tensor, k: int) -> Tensor:
+def select_exactly_k(keys: Tensor, thres: Tensor, k: int, need: Tensor | None = None) -> Tensor:
     """Positions (int64, ascending) of exactly ``k`` keys: every key ``> thres`` plus, among the
     keys ``== thres``, the ones at the lowest positions (the tie rule).
 
     ``thres`` must be the k-th largest key (:func:`kth_largest_key`), so that fewer than ``k``
-    keys are above it and at least ``k`` are at or above it. No host sync: the number of ties to
-    take stays a device tensor and the compaction has the static size ``k`` (``nonzero_static``).
+    keys are above it and at least ``k`` are at or above it. ``need``: how many keys equal to
+    ``thres`` to take, when the search already knows it (the radix select does); else counted here
+    (in int32: no int64 copy of the mask). No host sync: ``need`` stays a device tensor and the
+    compaction has the static size ``k`` (``nonzero_static``).
     """
     above = keys > thres
-    need = k - torch.count_nonzero(above)  # 1 .. number of ties, on the device
+    if need is None:
+        need = k - torch.sum(above, dtype=torch.int32)  # 1 .. number of ties, on the device
     ties = keys == thres
     rank = torch.cumsum(ties, 0, dtype=torch.int32 if keys.numel() < 2**31 else torch.int64)
     keep = above | (ties & (rank <= need))
