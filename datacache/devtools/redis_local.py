@@ -39,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -191,18 +191,25 @@ def server_args(port: int, *, cluster: bool = False, maxmemory: str | None = Non
 BIND_RETRIES = 5  # a port picked free can still be taken before the server binds it (another listener)
 
 
-def start_server(workdir: str, *, port: int | None = None, **kw: object) -> RedisServer:
-    """Start one standalone ``redis-server`` (``kw`` goes to :func:`server_args`). A port picked here
-    that another process binds first (between the check and redis' bind: parallel tests pick ports
-    too) is replaced by another, up to ``BIND_RETRIES`` times; a port given is used or fails."""
+def _bind_retrying(start: Callable[[int], RedisServer], port: int | None) -> RedisServer:
+    """``start(port)``; without a port, ``start`` on a picked one, and on another when a different process
+    bound it first (between the check and redis' bind: parallel tests pick ports too), up to
+    ``BIND_RETRIES`` times. A port given is used or fails."""
     for attempt in range(BIND_RETRIES):
         p = port or free_port()
         try:
-            return RedisServer(p, workdir, server_args(p, **kw)).start()  # type: ignore[arg-type]
+            return start(p)
         except RuntimeError as e:
             if port or attempt == BIND_RETRIES - 1 or "Address already in use" not in str(e):
                 raise
     raise AssertionError("unreachable")
+
+
+def start_server(workdir: str, *, port: int | None = None, **kw: object) -> RedisServer:
+    """Start one standalone ``redis-server`` (``kw`` goes to :func:`server_args`; port: see
+    :func:`_bind_retrying`)."""
+    return _bind_retrying(lambda p: RedisServer(p, workdir, server_args(p, **kw)).start(),  # type: ignore[arg-type]
+                          port)
 
 
 @dataclass
@@ -292,16 +299,9 @@ def start_cluster(workdir: str, n: int = 3, *, ports: list[int] | None = None, *
     cl = LocalCluster(workdir=workdir, admin_password=admin)
     try:
         for i in range(n if ports is None else len(ports)):
-            for attempt in range(BIND_RETRIES):  # a picked port taken before the bind: pick another
-                p = ports[i] if ports is not None else free_port()
-                try:
-                    cl.masters.append(start_server(os.path.join(workdir, f"node-{p}"), port=p, cluster=True,
-                                                   **kw))
-                    break
-                except RuntimeError as e:
-                    taken = "Address already in use" in str(e)
-                    if ports is not None or attempt == BIND_RETRIES - 1 or not taken:
-                        raise
+            cl.masters.append(_bind_retrying(
+                lambda p: start_server(os.path.join(workdir, f"node-{p}"), port=p, cluster=True, **kw),
+                None if ports is None else ports[i]))
         out = subprocess.run(["redis-cli", *_admin_auth(admin), "--cluster", "create",
                               *[m.addr for m in cl.masters], "--cluster-replicas", "0", "--cluster-yes"],
                              capture_output=True, text=True, timeout=60, env=_admin_env(admin))
