@@ -207,10 +207,12 @@ def test_a_node_joining_mid_epoch_re_plans_the_rest_once_and_local(digits_data, 
     rest = [[i for e, _, ix in r["seen"] if e == 0 for i in ix] for r in three]
     for r in three:
         assert [s for e, s, _ in r["seen"]] == [2, 3, 4] and all(len(ix) == 24 for _, _, ix in r["seen"])
-    assert len(first) == len(set(first)) == 2 * 72
+    # the plan's one padded copy (359 samples on 2 x 180) lands at any step of its rank, as the plan shuffles
+    # each node's list after padding: the first 2 steps hold it (143 distinct) or the re-plan pads
+    # (215 untrained on 3 x 72), never both
+    assert len(first) == 2 * 72 and len(set(first)) >= 2 * 72 - 1
     both = first + [i for part in rest for i in part]
-    # 215 left = 3 ranks x 72 - 1: one padded copy, as DistributedSampler pads; every sample trained
-    assert sorted(set(both)) == list(range(n)) and len(both) == n + 1
+    assert sorted(set(both)) == list(range(n)) and len(both) == n + 1  # every sample trained, one padded copy
     assert not set(first) & {i for part in rest for i in part}  # nothing of the first 2 steps again
     local = sum(owners[i] == masters[rank] for rank, part in enumerate(rest) for i in part)
     assert local >= 0.8 * sum(len(p) for p in rest), local
