@@ -156,7 +156,8 @@ def build_checks() -> list[Check]:
         Check("topk", "bench", (py, "-m", "bench.topk"), timeout_s=300, expect_s=120,
               writes=("topk_gpu.json", "topk_gpu.png"),
               note="full run (d = 1M, 8M, 25M, 7 reps): --quick stops at 1M, the GPU target is at 25M; "
-                   "the CPU part's topk.json/png are restored"),
+                   "rows mstopk_vs_topk_{1M,25M}_{k0.1pct,k1pct}[_fp16|_bf16], mstopk_read_passes_25M "
+                   "(MSTopK's fused Triton path, issue 37); the CPU part's topk.json/png are restored"),
         Check("train-gpu", "bench", (py, "-m", "bench.gpu", "--run-train-gpu"), timeout_s=300, expect_s=120,
               writes=("train_gpu.json",),
               note="bench.train_gpu.gpu_part alone (prefetcher inline and thread vs none, ResNet-50 128 px "

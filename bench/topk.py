@@ -210,9 +210,51 @@ def main() -> None:
                      f"GPU target exact and >= 2x torch.topk at 25M: "
                      f"{'met' if worst >= 2.0 and gpu_ratios['mstopk_recall_min'] == 1.0 else 'MISSED'} "
                      f"(worst {worst:.1f}x)."]
+        if not args.quick:
+            fused, info = fused_rows(reps)
+            gpu_ratios.update(fused)
+            gpu_notes.append(
+                "issue 37 targets (MSTopK's fused Triton select): mstopk_vs_topk_25M_k0.1pct and _k1pct "
+                ">= 2.8, mstopk_vs_topk_1M_k0.1pct >= 3, mstopk_read_passes_25M (MSTopK / one x.abs().sum()) "
+                f"<= 7; MSTopK's path on CUDA: {info['path']}, sync-free under set_sync_debug_mode('error'): "
+                f"{info['sync_free']}.")
         write_results(f"{name}_gpu", machine=machine, config=config, results=gpu_rows, ratios=gpu_ratios,
                       notes=gpu_notes)
         plot(gpu_rows, str(RESULTS_DIR / f"{name}_gpu.png"))
+
+
+def fused_rows(reps: int) -> tuple[dict[str, float | None], dict[str, object]]:
+    """CUDA only: MSTopK (its fused path where Triton is present) against ``torch.topk`` at 1M and 25M in
+    fp32, fp16 and bf16, its time in reads of x (one ``x.abs().sum()``, same run), and whether it runs
+    under ``torch.cuda.set_sync_debug_mode("error")``."""
+    from trainer.comm.mstopk import mstopk_with_info
+
+    out: dict[str, float | None] = {}
+    info: dict[str, object] = {}
+    g = torch.Generator().manual_seed(1)
+    for dtype, suffix in ((torch.float32, ""), (torch.float16, "_fp16"), (torch.bfloat16, "_bf16")):
+        for d in (1_000_000, 25_000_000):
+            x = torch.randn(d, generator=g).to(dtype).cuda()
+            for rho, name in ((0.001, "k0.1pct"), (0.01, "k1pct")):
+                k = int(d * rho)
+                t = time_methods(x, k, reps)
+                out[f"mstopk_vs_topk_{d // 1_000_000}M_{name}{suffix}"] = (
+                    t["exact"]["median_s"] / t["mstopk"]["median_s"])
+                if d == 25_000_000 and rho == 0.01 and not suffix:
+                    read = statistics.median(_time_cuda(lambda v=x: v.abs().sum()) for _ in range(reps))
+                    out["mstopk_read_passes_25M"] = t["mstopk"]["median_s"] / read
+                    out["mstopk_ms_25M"] = 1e3 * t["mstopk"]["median_s"]
+            del x
+    x = torch.randn(25_000_000, generator=g).cuda()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        info["path"] = mstopk_with_info(x, 25_000).path
+        info["sync_free"] = True
+    except RuntimeError:
+        info["sync_free"] = False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return out, info
 
 
 def _ratios(rows: list[dict], big: int, tag: str, threads: list[int], recalls: dict[str, float],

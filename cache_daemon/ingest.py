@@ -42,10 +42,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from cache_daemon.daemon_config import DaemonConfig, DatasetSpec, list_limits
 from cache_daemon.decoders import variant_for
 from cache_daemon.ownership import Owned, owned_indices
 from cache_daemon.presence import Stamp, take_stamp
+from cache_daemon.record_cost import nominal_record_bytes, sampled_record_bytes
 from cache_daemon.rolling import RollingFill, read_runs, session
 from cache_daemon.watchdog import Watchdog
 from datacache.cacheurl import parse_cache_url
@@ -277,6 +280,27 @@ def _shortcut(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass) -
     return WarmReport(total=work.own.count, skipped=work.own.count)
 
 
+def _within_budget(work: _Pass, store: Any, mine: Any, used: int, budget: int) -> tuple[Any, bool]:
+    """``(what to fill, capped)``: ``mine`` when the node's budget holds all of it (or there is none),
+    else the missing ones that fit in ``budget - used`` at the measured cost of a record
+    (:mod:`cache_daemon.record_cost`), lowest indices first. Without the cap a pass would write every
+    record in flight when ``used_memory`` crossed the budget: up to the decode pool's chunks in flight,
+    far over a small budget (issue 36: 36 records past it on a 3.7 MB test budget)."""
+    if not budget:
+        return mine, False
+    room = budget - used
+    cost = nominal_record_bytes(work.reader.variant)
+    if room >= len(mine) * cost * 2:  # everything fits twice over (the usual pass): no extra round trips
+        return mine, False
+    missing = missing_in(work.reader, store, mine)
+    cached = np.setdiff1d(np.asarray(mine, dtype=np.int64), missing, assume_unique=True)
+    cost = sampled_record_bytes(work.reader, store, cached, np.random.default_rng()) or cost
+    fits = max(0, int(room // cost))
+    if fits >= len(missing):
+        return missing, False
+    return missing[:fits], True
+
+
 def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, decoder: Any,
           stop: threading.Event, progress: bool | None, pool: DecodePool | None
           ) -> tuple[WarmReport | None, bool]:
@@ -295,7 +319,7 @@ def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, de
         if len(rep.quarantined) > seen_q[0]:  # only the new ones (the report's dict only grows)
             state.quarantined.add(dict(itertools.islice(rep.quarantined.items(), seen_q[0], None)))
             seen_q[0] = len(rep.quarantined)
-        state.done = rep.skipped + rep.written + len(rep.quarantined)
+        state.done = done_before + rep.skipped + rep.written + len(rep.quarantined)
         state.rate = (rep.decoded + len(rep.quarantined)) / max(1e-6, time.monotonic() - t0)
         used, budget = node_memory(cfg, store)  # one INFO per written chunk
         if budget and used >= budget:
@@ -312,7 +336,11 @@ def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, de
     state.status = "filling"
     if halt.budget:
         return None, True
-    rep = fill_missing(work.reader, mine, workers=cfg.workers or None, decoder=decoder,
+    todo, capped = _within_budget(work, store, mine, used, budget)
+    if capped and not len(todo):  # not one more record fits
+        return None, True
+    done_before = len(mine) - len(todo)  # (owned samples this pass does not visit: cached)
+    rep = fill_missing(work.reader, todo, workers=cfg.workers or None, decoder=decoder,
                        progress=sys.stderr.isatty() if progress is None else progress, stop=halt,
                        on_chunk=on_chunk, store=store, store_spec=work.store_spec, pool=pool,
                        desc=f"{cfg.node} {work.tag}")
@@ -328,7 +356,9 @@ def _fill(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, *, de
     if rep.pillow_fallbacks:
         log.info("%s %s: %d plain JPEGs that DALI refused were decoded by Pillow (the family's rule for "
                  "files DALI cannot decode)", state.spec.source, work.tag, rep.pillow_fallbacks)
-    return rep, halt.budget
+    # capped: the rest did not fit (at the budget as far as this pass can tell: the next pass measures
+    # again and fills what then fits)
+    return rep, halt.budget or capped
 
 
 def _settle(cfg: DaemonConfig, state: DatasetState, store: Any, work: _Pass, rep: WarmReport | None,

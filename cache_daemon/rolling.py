@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from cache_daemon.record_cost import nominal_record_bytes, sampled_record_bytes
 from datacache.epoch_plan import owners_digest
 from datacache.run_plan import (
     IN_FLIGHT,
@@ -311,27 +312,18 @@ class RollingFill:
         return True
 
     def _record_bytes(self, reader: Any, store: Any, cached: np.ndarray) -> float:
-        """Memory one of this dataset's records costs in Redis: the lengths of a few cached records (read
-        back: the variant's aspect ratios vary) through the server's allocation model
-        (:func:`datacache.plan.redis_bytes_per_key`), measured again every ``SIZE_EVERY`` steps. Not the
-        ``used_memory`` difference of a fill: other clients' buffers move it by more than a record."""
-        from datacache.plan import redis_bytes_per_key
-
+        """Memory one of this dataset's records costs in Redis (:mod:`cache_daemon.record_cost`), measured
+        again every ``SIZE_EVERY`` steps. Not the ``used_memory`` difference of a fill: other clients'
+        buffers move it by more than a record."""
         assert self.own is not None
         self.size_age -= 1
         if self.avg_bytes and self.size_age > 0:
             return self.avg_bytes
-        have = np.flatnonzero(cached)
-        if len(have):
-            pick = have[np.random.default_rng().choice(len(have), size=min(8, len(have)), replace=False)]
-            values = store.get_many(reader.keys(self.own[pick].tolist()))
-            sizes = [redis_bytes_per_key(len(v)) for v in values if v is not None]
-            if sizes:
-                self.avg_bytes, self.size_age = float(np.mean(sizes)), SIZE_EVERY
-                return self.avg_bytes
-        # nothing cached yet: a 4:3 image at the variant's short side, through the same model
-        s = reader.variant.short_side
-        return self.avg_bytes or redis_bytes_per_key(s * min(reader.variant.long_cap, s * 4 // 3) * 3 + 64)
+        got = sampled_record_bytes(reader, store, self.own[np.flatnonzero(cached)], np.random.default_rng())
+        if got:
+            self.avg_bytes, self.size_age = got, SIZE_EVERY
+            return got
+        return self.avg_bytes or nominal_record_bytes(reader.variant)
 
     def _protected(self, per_run: list[Any], capacity: int) -> np.ndarray:
         """Owned samples no deletion may touch: each live run's soonest ``capacity / runs`` needs

@@ -23,6 +23,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's interpreter runs the fused top-k kernels (trainer/comm/radix_select_triton.py) on CPU tensors:
+# tests/test_radix_select_triton.py checks them so on a machine without CUDA. Triton reads the switch when it
+# is imported, so it is set here, before any test module can import it, for the whole session (a machine
+# with CUDA runs the compiled kernels on the GPU instead).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from datacache.devtools.synth import make_imagefolder, write_bad_inputs
 from tests.shared_dirs import built_once

@@ -25,6 +25,19 @@ def sorted_kth(keys: torch.Tensor, k: int) -> tuple[int, int]:
     return t, k - int((desc > t).sum())
 
 
+def adversarial(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` values of one of tests/test_selectors.py's KINDS, or ``"nonfinite"`` (NaN and inf of both
+    signs among normals: the keys' top end), in ``dtype``."""
+    if kind == "nonfinite":
+        x = _data("normal", n, seed=n)
+        x[::5] = float("nan")
+        x[1::7] = float("inf")
+        x[2::11] = -float("inf")
+    else:
+        x = _data(kind, n, seed=n + len(kind))
+    return x.to(dtype)
+
+
 def test_digit_widths() -> None:
     assert digit_widths(31) == [16, 15] and digit_widths(15) == [15] and digit_widths(63) == [16, 16, 16, 15]
     assert digit_widths(0) == [] and digit_widths(1) == [1] and digit_widths(32, 11) == [11, 11, 10]
@@ -38,14 +51,7 @@ def test_digit_widths() -> None:
 @pytest.mark.parametrize("kind", (*KINDS, "nonfinite"))
 def test_equals_a_sort_and_the_bisection(kind: str, dtype: torch.dtype) -> None:
     for n in (1, 2, 37, 5000, 70_000):
-        if kind == "nonfinite":  # NaN and inf of both signs among normals: the keys' top end
-            x = _data("normal", n, seed=n)
-            x[:: 5] = float("nan")
-            x[1:: 7] = float("inf")
-            x[2:: 11] = -float("inf")
-        else:
-            x = _data(kind, n, seed=n + len(kind))
-        x = x.to(dtype)
+        x = adversarial(kind, n, dtype)
         keys = magnitude_keys(x)
         for k in sorted({1, 2, n // 100, n // 3, n - 1, n} - {0} - set(range(n + 1, n + 3))):
             t, need = radix_kth_largest_key(keys, k, key_bits(dtype))

@@ -12,9 +12,12 @@ ties there, and a fixed rule keeps every run's and every replica's choice reprod
 Non-finite values follow the selection policy of ``topk_keys.py``: they rank above every finite
 magnitude (as in ``torch.topk``), are always selected, and never raise.
 
-Two paths, one result (the same indices, tested):
+Three paths, one result (the same indices, tested):
 
-* **device** (CUDA, any non-CPU device; ``path="device"`` forces it on the CPU): keys of the
+* **fused** (CUDA with Triton): :func:`~trainer.comm.radix_select_triton.fused_topk`, the same radix
+  select as the device path in Triton kernels: 5 reads of ``x`` and 10 launches at fp32, no host sync.
+* **device** (any other non-CPU device, or CUDA without Triton; ``path="device"`` forces it on the CPU):
+  keys of the
   whole vector, the radix select :func:`~trainer.comm.radix_select.radix_kth_largest_key` over all
   key bits (2 counting passes at fp32, not 31), then :func:`~trainer.comm.topk_keys.select_exactly_k`.
   No host sync and no data-dependent shape: it runs unchanged on the ``meta`` device and under
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.comm import radix_select_triton
 from trainer.comm.radix_select import radix_kth_largest_key
 from trainer.comm.topk_keys import (
     check_input,
@@ -69,7 +73,7 @@ class MSTopKResult:
     values: Tensor  # x[indices], x.dtype, [k]
     indices: Tensor  # int32, unique, ascending, [k]
     threshold_key: Tensor  # 0-d: the k-th largest magnitude key (selected: every key above, lowest ties)
-    path: str  # "trivial" | "device" | "compact" | "fallback"
+    path: str  # "trivial" | "fused" | "device" | "compact" | "fallback"
 
     @property
     def threshold(self) -> Tensor:
@@ -151,6 +155,9 @@ def mstopk_with_info(x: Tensor, k: int, *, path: str = "auto",
         if found is not None:
             pos, thres = found
             return MSTopKResult(take(x, pos), pos.to(torch.int32), thres, "compact")
+    if not compact and radix_select_triton.usable(x):  # CUDA with Triton: the fused kernels
+        values, indices, thres = radix_select_triton.fused_topk(x, k)
+        return MSTopKResult(values, indices, thres, "fused")
     pos, thres = _device_path(x, k)
     return MSTopKResult(take(x, pos), pos.to(torch.int32), thres, "fallback" if compact else "device")
 
