@@ -1,10 +1,20 @@
 """One command for the first GPU: every CUDA-only test and every GPU benchmark, in one go, within 10 minutes.
 
-``python -m bench.gpu`` runs these checks in this order (priority: correctness first, then the
-benchmarks, then the rest), each in its own process group with its own timeout, inside one global
-budget (``--budget``, default 540 s; a check that no longer fits is reported ``not run: budget``, one
-that the budget ends while it runs ``stopped: budget``; neither counts as a failure):
+``python -m bench.gpu`` runs these checks in this order (priority: the GPU benchmarks no CPU can stand
+in for, then correctness, then the rest), each in its own process group with its own timeout, inside one
+global budget (``--budget``, default 540 s; a check that no longer fits is reported ``not run: budget``,
+one that the budget ends while it runs ``stopped: budget``; neither counts as a failure). GPU time comes
+in short windows: one call gives ``gpu-input``, ``train-gpu``, ``topk`` and, as the budget allows,
+``cuda-tests``; a second call (``--only`` with the names it did not run) finishes the rest:
 
+* ``gpu-input`` -- ``python -m bench.gpu_input``: ResNet-50 at 224 px fed by torchvision's ImageFolder,
+  datacache cold, warm with the same transforms and the warm fast path (issue 38): writes
+  ``gpu_input_gpu.json``/``.png``.
+* ``train-gpu`` -- the prefetcher benchmark, :func:`bench.train_gpu.gpu_part` (ResNet-50 at 128 px,
+  fp16, batch 256, without the prefetcher and with it staging inline and on a thread) on the
+  2,000-image dataset of ``bench.train``, started alone in a fresh process: writes ``train_gpu.json``.
+* ``topk`` -- ``python -m bench.topk`` full (d = 1M, 8M, 25M, 7 reps; ``--quick`` stops at 1M and
+  the GPU target is at 25M): writes ``topk_gpu.json``/``topk_gpu.png``.
 * ``cuda-tests`` -- every test whose ``skipif`` reason names CUDA, a GPU or NCCL in the test files
   that have such skips (found by scanning ``tests/``; ``tests/test_dali.py`` is the ``dali`` check's),
   except the multi-GPU ones. ``pytest -rs`` with a ``--junitxml`` that is parsed: each test is
@@ -14,11 +24,6 @@ that the budget ends while it runs ``stopped: budget``; neither counts as a fail
   ranks); skipped where fewer than 2 GPUs are visible.
 * ``dali`` -- all of ``tests/test_dali.py`` (DALI CPU and mixed/nvJPEG decode); only where
   ``nvidia.dali`` imports (it is not fetched: hundreds of MB).
-* ``topk`` -- ``python -m bench.topk`` full (d = 1M, 8M, 25M, 7 reps; ``--quick`` stops at 1M and
-  the GPU target is at 25M): writes ``topk_gpu.json``/``topk_gpu.png``.
-* ``train-gpu`` -- the prefetcher benchmark, :func:`bench.train_gpu.gpu_part` (ResNet-50 at 128 px,
-  fp16, batch 256, without the prefetcher and with it staging inline and on a thread) on the
-  2,000-image dataset of ``bench.train``, started alone in a fresh process: writes ``train_gpu.json``.
 * ``kernels`` -- ``python -m bench.gpu_kernels``: CUDA kernels per call of the foreach forms the
   optimizers use, LARS/LAMB steps and device augmentation: writes ``gpu_kernels_gpu.json``/``.png``.
 * ``train-quick`` -- ``python -m bench.train --quick``: the documented path (CPU part, then the GPU
@@ -144,6 +149,19 @@ def build_checks() -> list[Check]:
     files = tuple(cuda_test_files())
     py = sys.executable
     return [
+        Check("gpu-input", "bench", (py, "-m", "bench.gpu_input"), timeout_s=360, expect_s=150,
+              writes=("gpu_input_gpu.json", "gpu_input_gpu.png"),
+              note="ResNet-50 at 224 px fed by ImageFolder, datacache cold, warm with transforms and the "
+                   "warm fast path (issue 38): generates 12,000 JPEGs with every core first"),
+        Check("train-gpu", "bench", (py, "-m", "bench.gpu", "--run-train-gpu"), timeout_s=300, expect_s=120,
+              writes=("train_gpu.json",),
+              note="bench.train_gpu.gpu_part alone (prefetcher inline and thread vs none, ResNet-50 128 px "
+                   "fp16, batch 256, 2,000 images); no --quick exists or is needed"),
+        Check("topk", "bench", (py, "-m", "bench.topk"), timeout_s=300, expect_s=120,
+              writes=("topk_gpu.json", "topk_gpu.png"),
+              note="full run (d = 1M, 8M, 25M, 7 reps): --quick stops at 1M, the GPU target is at 25M; "
+                   "rows mstopk_vs_topk_{1M,25M}_{k0.1pct,k1pct}[_fp16|_bf16], mstopk_read_passes_25M "
+                   "(MSTopK's fused Triton path, issue 37); the CPU part's topk.json/png are restored"),
         Check("cuda-tests", "test", selection_argv(files, "cuda"), timeout_s=300, expect_s=90,
               files=files, select="cuda",
               note="tests whose skipif reason names CUDA/GPU/NCCL, multi-GPU ones excluded"),
@@ -153,15 +171,6 @@ def build_checks() -> list[Check]:
         Check("dali", "test", selection_argv(DALI_FILES, "all"), needs=("cuda", "dali"), timeout_s=180,
               expect_s=60, files=DALI_FILES, select="all",
               note="DALI CPU and mixed (nvJPEG) decode vs Pillow; only where nvidia.dali imports"),
-        Check("topk", "bench", (py, "-m", "bench.topk"), timeout_s=300, expect_s=120,
-              writes=("topk_gpu.json", "topk_gpu.png"),
-              note="full run (d = 1M, 8M, 25M, 7 reps): --quick stops at 1M, the GPU target is at 25M; "
-                   "rows mstopk_vs_topk_{1M,25M}_{k0.1pct,k1pct}[_fp16|_bf16], mstopk_read_passes_25M "
-                   "(MSTopK's fused Triton path, issue 37); the CPU part's topk.json/png are restored"),
-        Check("train-gpu", "bench", (py, "-m", "bench.gpu", "--run-train-gpu"), timeout_s=300, expect_s=120,
-              writes=("train_gpu.json",),
-              note="bench.train_gpu.gpu_part alone (prefetcher inline and thread vs none, ResNet-50 128 px "
-                   "fp16, batch 256, 2,000 images); no --quick exists or is needed"),
         Check("kernels", "bench", (py, "-m", "bench.gpu_kernels"), timeout_s=120, expect_s=30,
               writes=("gpu_kernels_gpu.json", "gpu_kernels_gpu.png"),
               note="CUDA kernels per call (profiler): foreach forms with 0-d lists, LARS/LAMB steps, "

@@ -100,21 +100,33 @@ def _progress(it: Iterable, total: int, enabled: bool) -> Iterable:
     return tqdm(it, total=total, desc="synth images", unit="img")
 
 
+def _write_one(job: tuple[str, str, int, int, tuple[int, int], int, int]) -> str:
+    root, name, ci, i, size, quality, seed = job
+    rng = np.random.default_rng((seed, ci, i))
+    bias = np.array([(ci * 53) % 128, (ci * 97) % 128, (ci * 31) % 128], dtype=np.int16)
+    rel = f"{name}/{i:05d}.JPEG"
+    synth_image(rng, size, bias).save(os.path.join(root, rel), format="JPEG", quality=quality)
+    return rel
+
+
 def make_imagefolder(root: str, *, classes: int = 10, per_class: int = 20, size: tuple[int, int] = (500, 375),
                      quality: int = 90, seed: int = 0, include_real_photos: bool = False,
-                     progress: bool = False) -> list[str]:
-    """Write ``root/<class>/<i>.JPEG`` (classes ``c000``...) and return the relative paths written."""
+                     progress: bool = False, workers: int = 1) -> list[str]:
+    """Write ``root/<class>/<i>.JPEG`` (classes ``c000``...) and return the relative paths written.
+    ``workers`` > 1: that many forked processes write the images (each image depends only on
+    ``(seed, class, i)``: the same files whatever the count)."""
     names = _class_names(classes)
     for c in names:
         os.makedirs(os.path.join(root, c), exist_ok=True)
-    written: list[str] = []
-    jobs = [(ci, i) for ci in range(classes) for i in range(per_class)]
-    for ci, i in _progress(jobs, len(jobs), progress):
-        rng = np.random.default_rng((seed, ci, i))
-        bias = np.array([(ci * 53) % 128, (ci * 97) % 128, (ci * 31) % 128], dtype=np.int16)
-        rel = f"{names[ci]}/{i:05d}.JPEG"
-        synth_image(rng, size, bias).save(os.path.join(root, rel), format="JPEG", quality=quality)
-        written.append(rel)
+    jobs = [(root, names[ci], ci, i, size, quality, seed) for ci in range(classes) for i in range(per_class)]
+    if workers > 1:
+        import multiprocessing
+
+        # (fork: the workers need nothing but this module; the parent holds no threads or locks here)
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            written = list(_progress(pool.imap(_write_one, jobs, chunksize=16), len(jobs), progress))
+    else:
+        written = [_write_one(j) for j in _progress(jobs, len(jobs), progress)]
     if include_real_photos:
         for k, src in enumerate(real_photo_files()):
             rel = f"{names[k % classes]}/real_{os.path.basename(src)}"
