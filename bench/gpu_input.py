@@ -18,8 +18,9 @@ fp16 AMP, SGD, batch 256, ``cudnn.benchmark`` -- fed five ways, one after the ot
 
 Per variant: images/s over ``STEPS`` steps after ``WARMUP``, the GPU busy fraction (CUDA events before and
 after each training step, summed, over wall time; the host-to-device copy of a loader's batch counts as
-busy) and the data-wait fraction (time the host blocked on the next batch, over wall time). Ratios
-(``_224``): ``input_warm_fast_vs_imagefolder`` (target >= 2.0 where ImageFolder is input-bound, i.e.
+busy), the data-wait fraction (time the host blocked on the next batch, over wall time) and the timeline
+between steps (the device's idle gap from one step's end event to the next one's start: mean, p90, max).
+Ratios (``_224``): ``input_warm_fast_vs_imagefolder`` (target >= 2.0 where ImageFolder is input-bound, i.e.
 ``imagefolder_vs_gpu_alone`` < 0.95), ``gpu_busy_warm_fast`` (>= 0.97), ``gpu_busy_warm_transforms``
 (reported), ``input_cold_vs_imagefolder`` (>= 0.9). Writes ``bench/results/gpu_input_gpu.json`` and a PNG.
 
@@ -113,12 +114,20 @@ class Clock:
         else:
             t = time.perf_counter()
             fn()
-            self.spans.append(time.perf_counter() - t)
+            self.spans.append((time.perf_counter() - t, t))  # (duration, start)
 
     def busy_s(self) -> float:
         if self.cuda:
             return sum(s.elapsed_time(e) for s, e in self.spans) / 1e3
-        return float(sum(self.spans))
+        return float(sum(s for s, _ in self.spans))
+
+    def gaps_ms(self) -> list[float]:
+        """The timeline between steps: how long the device sat idle from one step's end to the next one's
+        start (on a GPU from the events; where the busy fraction is lost when the steps themselves are
+        dense)."""
+        if self.cuda:
+            return [e.elapsed_time(s) for (_, e), (s, _) in zip(self.spans, self.spans[1:])]
+        return [1e3 * (b[1] - (a[1] + a[0])) for a, b in zip(self.spans, self.spans[1:])]
 
 
 def sync(cuda: bool) -> None:
@@ -144,9 +153,12 @@ def timed(step: Callable[[Any], object], batches: Iterator[Any], setup: Setup) -
     close = getattr(batches, "close", None)
     if close is not None:  # a forever() generator: its loader and workers go now, not during the next run
         close()
+    gaps = sorted(clock.gaps_ms())
     return {"images_per_s": setup.steps * setup.batch / wall,
             "gpu_busy_fraction": min(1.0, clock.busy_s() / wall), "data_wait_fraction": wait / wall,
-            "wall_s": wall}
+            "wall_s": wall, "idle_gap_ms": {"mean": sum(gaps) / max(1, len(gaps)),
+                                            "p90": gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
+                                            "max": gaps[-1] if gaps else 0.0}}
 
 
 def forever(make: Callable[[], Iterable[Any]]) -> Iterator[Any]:
@@ -163,6 +175,7 @@ def run(setup: Setup, workdir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     train_tf = imagenet_train_transform(transforms)
     if setup.size != 224:  # (the smoke run: the same transform at its size)
         train_tf.transforms[0] = transforms.RandomResizedCrop(setup.size)
+    # HAZARD (fork): the generator forks its writers -- so before CUDA is initialised below
     root = ensure_folder(setup)
     info = init_distributed(setup.device)
     dev = info.device

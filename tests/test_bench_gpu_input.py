@@ -28,6 +28,8 @@ def test_smoke_mode_runs_every_variant(tmp_path) -> None:
         r = res[name]
         assert r["images_per_s"] > 0 and 0 < r["gpu_busy_fraction"] <= 1, name
         assert 0 <= r["data_wait_fraction"] < 1, name
+        gap = r["idle_gap_ms"]  # the timeline between steps
+        assert 0 <= gap["mean"] <= gap["max"] and gap["p90"] <= gap["max"], (name, gap)
     assert res["imagefolder"]["num_workers"] in (0, 2) and set(res["imagefolder"]["tried"]) == {"0", "2"}
     # the cold epoch decoded and filled; the warm runs read the cache only (no decode)
     assert res["cold"]["cache"]["misses"] > 0 and res["warm_fast"]["cache"]["misses"] == 0
