@@ -29,7 +29,9 @@ import, :data:`HAVE_TRITON` is False and the pure-torch radix select is MSTopK's
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +41,9 @@ from torch import Tensor
 from trainer.comm.radix_select import digit_widths
 from trainer.comm.topk_keys import key_bits, key_dtype
 
-try:  # an optional dependency: CUDA torch wheels bring it; CPU-only installs get it from the test extras
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where the wheel is missing
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+# an optional dependency (CUDA torch wheels bring it; CPU-only installs get it from the test extras), imported
+# only when a kernel is launched (radix_select_kernels.py): importing it costs a quarter of a second
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 DIGIT_BITS = 11  # bits per histogram pass: 2,048 bins (AIR Top-K's choice); fp32 keys in 3 passes
 CUDA_TILE = 4096  # elements per tile on a GPU
@@ -78,106 +74,23 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when triton was imported):
+    """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when triton is imported):
     then the kernels take CPU tensors and no GPU is needed (how CI tests them)."""
+    triton = sys.modules.get("triton")
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton before 3.4: read at decoration)
-
-
-if HAVE_TRITON:  # the kernels (module globals: Triton's interpreter resolves names there)
-    @triton.jit
-    def _key(bits_ptr, offs, inb, KEY_MASK: tl.constexpr, WIDEN: tl.constexpr):
-        bits = tl.load(bits_ptr + offs, mask=inb, other=0)
-        if WIDEN:  # 16-bit keys (fp16/bf16): shifts and compares in int32 (the masked key is >= 0)
-            bits = bits.to(tl.int32)
-        return bits & KEY_MASK
-
-    @triton.jit
-    def histogram(bits_ptr, n, state_ptr, hist_ptr, tiles, KEY_MASK: tl.constexpr, WIDEN: tl.constexpr,
-                  SHIFT: tl.constexpr, WIDTH: tl.constexpr, BINS: tl.constexpr, FIRST: tl.constexpr,
-                  TILE: tl.constexpr):
-        pid = tl.program_id(0)
-        step = tl.num_programs(0)
-        lanes = tl.arange(0, TILE)
-        bins = tl.arange(0, BINS)
-        acc = tl.zeros((BINS,), dtype=tl.int32)
-        if FIRST:
-            prefix = 0
-        else:
-            prefix = tl.load(state_ptr)  # the bucket chosen so far (written by the previous pick)
-        for t in range(pid, tiles, step):
-            offs = t * TILE + lanes  # int32: n + TILE < 2**31 is checked by fused_topk
-            inb = offs < n
-            key = _key(bits_ptr, offs, inb, KEY_MASK, WIDEN)
-            if FIRST:
-                inside = inb  # every key is in the first bucket
-            else:
-                inside = inb & ((key >> (SHIFT + WIDTH)) == prefix)
-            digit = tl.where(inside, (key >> SHIFT) & (BINS - 1), 0).to(tl.int32)
-            # keys outside the bucket were counted in bin 0: taken out again (histogram's mask argument
-            # is missing from older Triton releases)
-            outside = TILE - tl.sum(inside.to(tl.int32), axis=0)
-            acc += tl.histogram(digit, BINS) - tl.where(bins == 0, outside, 0)
-        tl.atomic_add(hist_ptr + bins, acc, mask=acc > 0)
-
-    @triton.jit
-    def pick(hist_ptr, state_ptr, k, WIDTH: tl.constexpr, BINS: tl.constexpr, FIRST: tl.constexpr):
-        bins = tl.arange(0, BINS)
-        h = tl.load(hist_ptr + bins)
-        at_least = tl.cumsum(h, axis=0, reverse=True)  # keys of the bucket with digit >= d
-        if FIRST:
-            rank = k.to(tl.int64)
-            prefix = rank * 0
-        else:
-            prefix = tl.load(state_ptr)
-            rank = tl.load(state_ptr + 1)
-        # the k-th largest is in the highest digit d with at_least[d] >= rank (at_least falls with d)
-        d = tl.sum((at_least >= rank).to(tl.int32), axis=0) - 1
-        above = tl.sum(tl.where(bins == d, at_least - h, 0), axis=0)
-        tl.store(state_ptr, (prefix << WIDTH) | d.to(tl.int64))
-        tl.store(state_ptr + 1, rank - above.to(tl.int64))
-
-    @triton.jit
-    def count(bits_ptr, n, state_ptr, counts_ptr, tiles, KEY_MASK: tl.constexpr, WIDEN: tl.constexpr,
-              TILE: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-        inb = offs < n
-        key = _key(bits_ptr, offs, inb, KEY_MASK, WIDEN)
-        thres = tl.load(state_ptr)
-        tl.store(counts_ptr + pid, tl.sum((inb & (key > thres)).to(tl.int32), axis=0))
-        tl.store(counts_ptr + tiles + pid, tl.sum((inb & (key == thres)).to(tl.int32), axis=0))
-
-    @triton.jit
-    def write(bits_ptr, x_ptr, n, state_ptr, counts_ptr, incl_ptr, tiles, idx_ptr, val_ptr,
-              KEY_MASK: tl.constexpr, WIDEN: tl.constexpr, TILE: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * TILE + tl.arange(0, TILE)
-        inb = offs < n
-        key = _key(bits_ptr, offs, inb, KEY_MASK, WIDEN)
-        thres = tl.load(state_ptr)
-        need = tl.load(state_ptr + 1)
-        above = inb & (key > thres)
-        eq = inb & (key == thres)
-        above_before = tl.load(incl_ptr + pid) - tl.load(counts_ptr + pid)  # exclusive scans
-        eq_before = tl.load(incl_ptr + tiles + pid) - tl.load(counts_ptr + tiles + pid)
-        eqi = eq.to(tl.int32)
-        eq_rank = eq_before + tl.cumsum(eqi, axis=0) - eqi  # ties taken lowest index first
-        sel = above | (eq & (eq_rank < need))
-        seli = sel.to(tl.int32)
-        pos = above_before + tl.minimum(eq_before.to(tl.int64), need) + (tl.cumsum(seli, axis=0) - seli)
-        tl.store(idx_ptr + pos, offs.to(tl.int32), mask=sel)
-        tl.store(val_ptr + pos, tl.load(x_ptr + offs, mask=sel), mask=sel)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # (not imported yet, or Triton before 3.4)
 
 
 def _kernels() -> dict[str, Any]:
-    """The kernels, decorated once at import: compiled for the GPU, or interpreted when
+    """The kernels, decorated when first imported: compiled for the GPU, or interpreted when
     :func:`interpreting` (Triton's own ``tl`` helpers follow the same switch, read when triton is imported,
     so the mode cannot change within a process: the tests set it for their whole session,
     ``tests/conftest.py``)."""
-    return {"histogram": histogram, "pick": pick, "count": count, "write": write}
+    from trainer.comm import radix_select_kernels as k
+
+    return {"histogram": k.histogram, "pick": k.pick, "count": k.count, "write": k.write}
 
 
 
