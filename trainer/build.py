@@ -30,8 +30,23 @@ def make_model(cfg: TrainConfig, num_classes: int, device: torch.device) -> nn.M
                             zero_init_residual=cfg.zero_init_residual)
     model = model.to(device)
     if channels_last(cfg, device):
+        if device.type == "cpu":
+            _refuse_cpu_channels_last_bug(model)
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def _refuse_cpu_channels_last_bug(model: nn.Module) -> None:
+    """torch 2.13's CPU backward of a 1x1 stride-2 convolution with fewer than 8 input channels in
+    channels_last crashes (SIGSEGV, "double free or corruption") or hangs: reproduced with
+    ``Conv2d(4, 8, 1, stride=2)`` alone (also 2, 5 and 6 input channels; 8 and more, and stride 1, are fine).
+    A small ResNet below width 8 has such a projection shortcut: refused with what to do instead."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.stride != (1, 1) and m.in_channels < 8:
+            raise ConfigError(f"--channels-last on with --device cpu: layer {name} (a 1x1 stride-"
+                              f"{m.stride[0]} convolution of {m.in_channels} input channels) crashes torch's "
+                              "CPU backward in channels_last; use --channels-last off (or auto) on the CPU, "
+                              "or --width 8 or more")
 
 
 def channels_last(cfg: TrainConfig, device: torch.device) -> bool:
